@@ -1,0 +1,207 @@
+"""Message types that cross the bus.
+
+Conventions (see docs/architecture.md):
+- every message that a process emits repeatedly carries its origin id (``worker_id`` or
+  ``gateway_id``), a process ``session_id`` (new at every start) and a monotonic ``seq`` so consumers
+  can drop duplicates and see gaps;
+- timestamps are UTC, float seconds since the Unix epoch (``*_s``); durations are ``*_ms``;
+- a value the producer could not measure is ``None`` ("unavailable"), never a made-up 0.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+EngineKind = Literal["native", "ninfer", "vllm", "llamacpp", "sglang", "stock"]
+WorkerState = Literal["ready", "draining", "stopped", "down"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+EnergyMethod = Literal["counter", "power_integration", "estimated", "unavailable"]
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Base: frozen, keyword-only, unknown fields ignored on decode."""
+
+
+class ChatMessage(_Msg):
+    role: str
+    content: str = ""
+    name: str | None = None
+
+
+class GenerateRequest(_Msg):
+    """gateway → engine on ``llm.v1.gen.<worker_id>``; replies stream to the message's reply inbox.
+
+    Exactly one of ``messages`` (chat) and ``prompt`` (completion) is set. ``max_tokens`` None means
+    "up to the context limit". ``deadline_s`` is the absolute UTC time after which the gateway has
+    given up; the engine may abort work past it.
+    """
+
+    request_id: str
+    model: str
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    gateway_id: str = ""
+    api_key_id: str | None = None
+    deadline_s: float | None = None
+    protocol: int = PROTOCOL_VERSION
+
+
+class Usage(_Msg):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(_Msg):
+    """llama.cpp-style timings on the final chunk (milliseconds)."""
+
+    prompt_n: int = 0
+    cache_n: int = 0
+    predicted_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_ms: float = 0.0
+    queue_ms: float = 0.0
+    ttft_ms: float | None = None
+
+
+class ErrorInfo(_Msg):
+    """The OpenAI error fields, carried on the bus so the gateway can answer with the right status."""
+
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+    param: str | None = None
+    status: int = 500
+    retry_after_s: float | None = None
+
+
+class TokenChunk(_Msg):
+    """engine → gateway on the request's reply inbox, in order (``index`` counts from 0).
+
+    The final chunk has ``finish_reason`` set and carries ``usage`` and ``timings``; an error ends the
+    stream with ``error`` set (and ``finish_reason="error"``).
+    """
+
+    request_id: str
+    index: int
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: ErrorInfo | None = None
+    worker_id: str = ""
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class SlotHeartbeat(_Msg):
+    """engine or telemetry → gateways on ``llm.v1.hb.<worker_id>`` and the ``llm_workers`` KV bucket.
+
+    ``admitted_by_gateway`` counts, per gateway id, the requests the engine has accepted since
+    ``session_id`` began, so each gateway books only the requests it routed that this heartbeat cannot
+    yet reflect (``admitted_total`` is the sum over all gateways and direct HTTP clients).
+    """
+
+    worker_id: str
+    session_id: str
+    seq: int
+    ts_s: float
+    model_id: str
+    engine_kind: EngineKind = "native"
+    backend: str = ""
+    state: WorkerState = "ready"
+    lanes: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+    max_pending: int | None = None
+    max_context: int | None = None
+    kv_usage: float | None = None
+    kv_blocks_used: int | None = None
+    kv_blocks_total: int | None = None
+    kv_spills_total: int | None = None
+    kv_evictions_total: int | None = None
+    preemptions_total: int | None = None
+    admitted_total: int | None = None
+    prompt_tokens_queried_total: int | None = None
+    prompt_tokens_hit_total: int | None = None
+    prefill_tok_per_s: float | None = None
+    decode_tok_per_s: float | None = None
+    energy_today_wh: float | None = None
+    heartbeat_interval_s: float | None = None
+    admitted_by_gateway: dict[str, int] = {}
+
+
+class EnergyReading(_Msg):
+    """One device's raw cumulative counter at sample time. ``energy_mj`` None = unavailable."""
+
+    device_id: str
+    kind: Literal["nvml", "rapl", "engine", "estimate", "none"] = "none"
+    method: EnergyMethod = "unavailable"
+    energy_mj: int | None = None
+    max_range_mj: int | None = None
+    power_mw: int | None = None
+
+
+class RequestTokens(_Msg):
+    request_id: str
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+class EnergySample(_Msg):
+    """engine/telemetry → accounting on ``llm.v1.energy.<worker_id>`` (stream ``ENERGY``)."""
+
+    worker_id: str
+    session_id: str
+    seq: int
+    ts_s: float
+    model_id: str
+    readings: list[EnergyReading] = []
+    request_tokens: list[RequestTokens] = []
+
+
+class UsageRecord(_Msg):
+    """gateway → accounting on ``llm.v1.usage.<gateway_id>`` (stream ``USAGE``), one per request."""
+
+    gateway_id: str
+    session_id: str
+    seq: int
+    ts_s: float
+    request_id: str
+    model: str
+    pool: str
+    member: str = ""
+    worker_id: str = ""
+    api_key_id: str | None = None
+    endpoint: str = "chat.completions"
+    stream: bool = False
+    status: Literal["ok", "error", "aborted"] = "ok"
+    http_status: int = 200
+    finish_reason: str | None = None
+    error_code: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_ms: float | None = None
+    latency_ms: float = 0.0
+    routing_reason: str = ""

@@ -1,0 +1,103 @@
+"""NATS connection and the idempotent creation of the streams and the KV bucket."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+from nats.aio.client import Client
+from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+
+from proto import subjects
+from services.common.nats_server import EmbeddedNatsServer
+
+log = logging.getLogger(__name__)
+
+# JetStream de-duplicates messages with the same Nats-Msg-Id inside this window (seconds): a producer
+# that retries after a lost ack never stores a record twice.
+DUPLICATE_WINDOW_S = 600.0
+
+
+def stream_configs() -> list[StreamConfig]:
+    common = dict(
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        max_age=30 * 24 * 3600.0,
+    )
+    return [
+        StreamConfig(name=subjects.STREAM_USAGE, subjects=[subjects.USAGE_SUBJECTS], **common),
+        StreamConfig(name=subjects.STREAM_ENERGY, subjects=[subjects.ENERGY_SUBJECTS], **common),
+    ]
+
+
+async def ensure_bus(nc: Client) -> None:
+    """Create the USAGE and ENERGY streams and the workers KV bucket; safe to call from every service."""
+    js = nc.jetstream()
+    for config in stream_configs():
+        try:
+            await js.stream_info(config.name)
+            await js.update_stream(config)
+        except NotFoundError:
+            try:
+                await js.add_stream(config)
+            except BadRequestError:  # another service created it in between
+                await js.update_stream(config)
+    try:
+        await js.key_value(subjects.KV_WORKERS)
+    except Exception:
+        with contextlib.suppress(BadRequestError):
+            await js.create_key_value(
+                KeyValueConfig(bucket=subjects.KV_WORKERS, history=1, ttl=3600.0, storage=StorageType.FILE)
+            )
+
+
+async def connect(url: str, name: str) -> Client:
+    """Connect with unlimited reconnects, so a restarted nats-server is rejoined by itself."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats error (%s): %s", name, exc)
+
+    async def on_disconnect() -> None:
+        log.warning("nats disconnected (%s)", name)
+
+    async def on_reconnect() -> None:
+        log.info("nats reconnected (%s)", name)
+
+    return await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+        drain_timeout=5,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+    )
+
+
+def nats_url_from_env(flag: str | None) -> str | None:
+    return flag or os.environ.get("NATS_URL") or None
+
+
+@contextlib.asynccontextmanager
+async def bus_session(url: str | None, name: str, data_dir: Path) -> AsyncIterator[Client]:
+    """Connect to ``url``; when None, run an embedded nats-server for the session's lifetime."""
+    async with contextlib.AsyncExitStack() as stack:
+        if url is None:
+            server = await stack.enter_async_context(EmbeddedNatsServer(data_dir / "nats"))
+            url = server.url
+        nc = await connect(url, name)
+        try:
+            await ensure_bus(nc)
+            yield nc
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.drain()

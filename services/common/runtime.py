@@ -1,0 +1,106 @@
+"""Process-level helpers: data directory, logging, readiness lines, atomic files, worker ids."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad or missing configuration value; the message names the key."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"config {key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+def data_dir(flag: str | None = None) -> Path:
+    """``--data-dir``, else ``LLMGW_DATA_DIR``, else ``./data``."""
+    path = Path(flag or os.environ.get("LLMGW_DATA_DIR") or "data").resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def setup_logging(level: str | None = None) -> None:
+    """Only ``__main__`` modules call this. Logs go to stderr; readiness lines go to stdout."""
+    logging.basicConfig(
+        level=(level or os.environ.get("LLMGW_LOG_LEVEL") or "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def announce(service: str, message: str) -> None:
+    """The one readiness line a service prints when it is serving; test fixtures parse it."""
+    print(f"llmgw {service} ready: {message}", flush=True)
+
+
+def new_session_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def default_worker_id(prefix: str) -> str:
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:40]
+    return f"{prefix}-{host}-{os.getpid()}"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temp file in the same directory + fsync + rename: a crash leaves old or new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_stack_file(data: Path, info: dict[str, Any]) -> None:
+    atomic_write_text(data / "stack.json", json.dumps(info, indent=2))
+
+
+def read_stack_file(data: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((data / "stack.json").read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return None
+
+
+def run_async_main(main: Any, service: str, clean_errors: tuple[type[BaseException], ...] = ()) -> None:
+    """Run ``main()`` (a coroutine function) until it returns or SIGINT/SIGTERM arrives.
+
+    A signal cancels the main task, so every ``async with``/``finally`` runs (drain NATS, close
+    DuckDB, stop child servers) before the process exits. A :class:`ConfigError` or one of
+    ``clean_errors`` ends the process with one line naming the problem (exit 2), not a traceback.
+    """
+    import asyncio
+    import signal
+
+    async def runner() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await main()
+        except asyncio.CancelledError:
+            pass
+
+    try:
+        asyncio.run(runner())
+    except (ConfigError, *clean_errors) as exc:
+        print(f"llmgw {service}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -1,0 +1,165 @@
+"""``llmgw up``: the whole stack on one machine, no Docker.
+
+Starts an embedded nats-server (unless ``NATS_URL`` is set), then the accounting, telemetry, engine and
+gateway services as child processes, each with its own log prefix. Prints where the gateway listens
+and how to call it once every child has printed its readiness line. Ctrl-C (or SIGTERM) stops every
+child, then the NATS server: nothing is left running. If any child dies, the rest are stopped too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from services.common.nats_server import EmbeddedNatsServer, _set_parent_death_signal
+from services.common.runtime import data_dir, run_async_main, setup_logging, write_stack_file
+
+log = logging.getLogger("llmgw.up")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEMO_MODEL = REPO_ROOT / "models" / "demo"
+DEFAULT_PORT = 8080
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def default_model(data: Path) -> Path:
+    """The shipped demo model when present, else a tiny random-weight checkpoint made once in the data dir."""
+    if (DEMO_MODEL / "config.json").exists():
+        return DEMO_MODEL
+    tiny = data / "models" / "tiny-qwen3"
+    if not (tiny / "config.json").exists():
+        log.warning("no trained demo model in %s: writing a tiny random-weight Qwen3 checkpoint to %s "
+                    "(its output is noise; pass --model PATH for a real checkpoint)", DEMO_MODEL, tiny)
+        subprocess.run([sys.executable, "-m", "services.engine.tiny_checkpoint", str(tiny)], check=True)
+    return tiny
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._pumps: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv, env=self.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            # Own session: Ctrl-C reaches only the supervisor, which stops children in order.
+            preexec_fn=_set_parent_death_signal, start_new_session=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._pumps = [
+            asyncio.create_task(self._pump(self.proc.stdout, sys.stdout)),
+            asyncio.create_task(self._pump(self.proc.stderr, sys.stderr)),
+        ]
+
+    async def _pump(self, stream: asyncio.StreamReader, out: object) -> None:
+        prefix = f"[{self.name}] ".encode()
+        while line := await stream.readline():
+            text = line.decode(errors="replace")
+            if not self.ready.done() and f"llmgw {self.name} ready: " in text:
+                self.ready.set_result(text.split("ready: ", 1)[1].strip())
+            sink = out.buffer  # type: ignore[attr-defined]
+            sink.write(prefix + line)
+            sink.flush()
+
+    async def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.proc.wait()
+        except TimeoutError:
+            log.warning("%s did not stop within %.0fs: killing it", self.name, timeout_s)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            await self.proc.wait()
+        for pump in self._pumps:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(pump, 2)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=os.environ.get("LLMGW_MODEL"),
+                        help="HF checkpoint directory to serve (default: the shipped demo model)")
+    parser.add_argument("--model-id", default=os.environ.get("LLMGW_MODEL_ID"),
+                        help="name clients use (default: the model directory's name)")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("LLMGW_PORT", DEFAULT_PORT)),
+                        help=f"gateway port (default {DEFAULT_PORT})")
+    parser.add_argument("--host", default=os.environ.get("LLMGW_HOST", "127.0.0.1"))
+    parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
+
+
+async def run(args: argparse.Namespace) -> None:
+    data = data_dir(args.data_dir)
+    model = Path(args.model).resolve() if args.model else default_model(data)
+    model_id = args.model_id or model.name
+    async with contextlib.AsyncExitStack() as stack:
+        url = os.environ.get("NATS_URL")
+        if not url:
+            server = await stack.enter_async_context(EmbeddedNatsServer(data / "nats"))
+            url = server.url
+        env = {**os.environ, "NATS_URL": url, "LLMGW_DATA_DIR": str(data), "PYTHONUNBUFFERED": "1"}
+        py = [sys.executable, "-m"]
+        children = [
+            Child("accounting", [*py, "services.accounting"], env),
+            Child("telemetry", [*py, "services.telemetry"], env),
+            Child("engine", [*py, "services.engine", str(model), "--model-id", model_id], env),
+            Child("gateway", [*py, "services.gateway", "--host", args.host, "--port", str(args.port)], env),
+        ]
+        for child in reversed(children):  # stop in reverse: gateway first, accounting last
+            stack.push_async_callback(child.stop)
+        for child in children:
+            await child.start()
+        waits = {asyncio.ensure_future(c.proc.wait()): c for c in children if c.proc}  # type: ignore[union-attr]
+        ready = asyncio.gather(*(c.ready for c in children))
+        done, _ = await asyncio.wait([ready, *waits], return_when=asyncio.FIRST_COMPLETED)
+        if ready not in done:
+            dead = next(waits[t] for t in done if t in waits)
+            ready.cancel()
+            raise StackError(f"{dead.name} exited during start-up (code {dead.proc.returncode}); see its log above")  # type: ignore[union-attr]
+        gateway_url = children[-1].ready.result().removeprefix("listening on ").strip()
+        write_stack_file(data, {"nats_url": url, "gateway_url": gateway_url, "model_id": model_id,
+                                "pid": os.getpid()})
+        stack.callback(lambda: (data / "stack.json").unlink(missing_ok=True))
+        print(_banner(gateway_url, model_id, url, data), flush=True)
+        done, _ = await asyncio.wait(list(waits), return_when=asyncio.FIRST_COMPLETED)
+        dead = waits[next(iter(done))]
+        raise StackError(f"{dead.name} exited (code {dead.proc.returncode}); stopping the stack")  # type: ignore[union-attr]
+
+
+def _banner(gateway_url: str, model_id: str, nats_url: str, data: Path) -> str:
+    return f"""
+================================================================================
+ llmgw is up.  Gateway: {gateway_url}   (NATS {nats_url}, data in {data})
+
+   curl -s {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+     -d '{{"model":"{model_id}","messages":[{{"role":"user","content":"hi"}}]}}'
+
+   OpenAI SDK: OpenAI(base_url="{gateway_url}/v1", api_key="unused")
+   Usage ledger: .venv/bin/llmgw sql "select request_id, model, output_tokens from requests"
+   No API key is required yet: the gateway serves loopback only by default (sign-in is issue #8).
+   Ctrl-C stops everything.
+================================================================================""".rstrip()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="llmgw up", description="run the whole stack on this machine")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging()
+    run_async_main(lambda: run(args), "up", clean_errors=(StackError,))

@@ -1,0 +1,395 @@
+"""Paged attention: the KV cache, the per-step metadata that addresses it, and the torch reference backend.
+
+Layout (vLLM-v1 style). The cache of each layer is two tensors ``[num_blocks, block_size, num_kv_heads,
+head_dim]`` (keys, values). A sequence owns a *block table*: the physical block ids that hold its
+positions ``0, 1, …`` in order, ``block_size`` positions per block, in any physical order. Token position
+``p`` of a sequence lives in flat slot ``block_table[p // block_size] * block_size + p % block_size``.
+The block pool (not this module) decides which blocks a sequence owns; this module only reads and writes
+them.
+
+One engine step computes a batch of sequences' *new* tokens, flattened with no padding: ``T`` tokens in
+all, sequence ``i`` owning rows ``query_start_loc[i] : query_start_loc[i+1]``. Its new tokens are the last
+``q_len`` positions of a context of ``seq_lens[i]`` tokens, so a prompt chunk and a one-token decode are
+the same case.
+
+``TorchPagedAttention`` is the CPU / test / oracle path: it writes the new K/V into the cache, then for
+each sequence gathers its context from its block table and runs causal ``scaled_dot_product_attention``.
+A Triton backend implements the same ``AttentionBackend`` protocol.
+
+fp8 KV cache (``kv_cache_dtype="fp8"``): values are stored as ``torch.float8_e4m3fn`` = round(x / scale),
+saturated to ±448 (e4m3's largest finite value), and read back as ``stored * scale`` in the model dtype.
+Scale policy: one static float32 scale per layer for keys and one for values, fixed when the cache is
+built (default 1.0, the value vLLM uses when a checkpoint ships no calibrated scales). It is deliberately
+*not* calibrated from the first batch written: that batch is whichever request happened to arrive first,
+so every later request's output would depend on traffic order. e4m3 keeps 3 mantissa bits (relative
+error ≤ 2^-4) for |x/scale| in [2^-6, 448]; post-projection K/V of the models we serve sit well inside
+that with scale 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+
+KVCacheDtype = Literal["auto", "fp8"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+
+
+# --------------------------------------------------------------------------------------------- KV cache
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    """Shape of the KV cache of one model. ``dtype`` is the model's compute dtype; ``kv_cache_dtype``
+    "auto" stores in that dtype, "fp8" stores float8_e4m3fn (1 byte per element)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    kv_cache_dtype: KVCacheDtype = "auto"
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return FP8_DTYPE if self.kv_cache_dtype == "fp8" else self.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token position occupies across all layers, keys and values."""
+        element_size = torch.empty((), dtype=self.storage_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+class KVCache:
+    """Per-layer paged key and value tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Owned by the model runner; block ids are handed out by the block pool. Tensors start zeroed so the
+    unused tail of a padded gather is finite (a masked-out NaN would still poison softmax @ V).
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        device: torch.device | str = "cpu",
+        *,
+        fp8_scale: float = 1.0,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if spec.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {spec.kv_cache_dtype!r}")
+        if not fp8_scale > 0:
+            raise ValueError(f"fp8_scale must be positive, got {fp8_scale}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = spec.block_size
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.key_caches = [
+            torch.zeros(shape, dtype=spec.storage_dtype, device=device) for _ in range(spec.num_layers)
+        ]
+        self.value_caches = [
+            torch.zeros(shape, dtype=spec.storage_dtype, device=device) for _ in range(spec.num_layers)
+        ]
+        # Per layer, per k/v scales as tensors (what a fused kernel reads) and floats (what torch ops
+        # take without a device sync).
+        self.k_scales = torch.full((spec.num_layers,), fp8_scale, dtype=torch.float32, device=device)
+        self.v_scales = torch.full((spec.num_layers,), fp8_scale, dtype=torch.float32, device=device)
+        self._k_scale_values = [fp8_scale] * spec.num_layers
+        self._v_scale_values = [fp8_scale] * spec.num_layers
+
+    @staticmethod
+    def bytes_per_token(spec: KVCacheSpec) -> int:
+        """Bytes per token position (all layers, K and V): fp8 is half of bf16/fp16."""
+        return spec.bytes_per_token
+
+    @classmethod
+    def for_capacity_tokens(
+        cls,
+        spec: KVCacheSpec,
+        capacity_tokens: int,
+        device: torch.device | str = "cpu",
+        *,
+        fp8_scale: float = 1.0,
+    ) -> KVCache:
+        """A cache holding at least ``capacity_tokens`` positions (rounded up to whole blocks)."""
+        return cls(spec, math.ceil(capacity_tokens / spec.block_size), device, fp8_scale=fp8_scale)
+
+    @classmethod
+    def for_byte_budget(
+        cls,
+        spec: KVCacheSpec,
+        budget_bytes: int,
+        device: torch.device | str = "cpu",
+        *,
+        fp8_scale: float = 1.0,
+    ) -> KVCache:
+        """The most whole blocks that fit in ``budget_bytes``; fp8 gets twice the blocks of fp16."""
+        num_blocks = budget_bytes // spec.bytes_per_block
+        if num_blocks <= 0:
+            raise ValueError(
+                f"a byte budget of {budget_bytes} holds no block of {spec.bytes_per_block} bytes"
+            )
+        return cls(spec, num_blocks, device, fp8_scale=fp8_scale)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.spec.kv_cache_dtype == "fp8"
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.spec.bytes_per_block
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store ``k``, ``v`` ``[T, num_kv_heads, head_dim]`` at flat slots ``slot_mapping`` ``[T]``."""
+        key_flat = self.key_caches[layer_idx].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+        value_flat = self.value_caches[layer_idx].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+        if self.is_fp8:
+            k = _quantize_fp8(k, self._k_scale_values[layer_idx])
+            v = _quantize_fp8(v, self._v_scale_values[layer_idx])
+        key_flat[slot_mapping] = k
+        value_flat[slot_mapping] = v
+
+    def gather(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``block_ids`` (any leading shape ``[..., n]``), dequantised to the model
+        dtype: ``[..., n * block_size, num_kv_heads, head_dim]``."""
+        keys = self.key_caches[layer_idx][block_ids]
+        values = self.value_caches[layer_idx][block_ids]
+        if self.is_fp8:
+            keys = _dequantize_fp8(keys, self._k_scale_values[layer_idx], self.spec.dtype)
+            values = _dequantize_fp8(values, self._v_scale_values[layer_idx], self.spec.dtype)
+        lead = block_ids.shape[:-1]
+        shape = (*lead, -1, self.spec.num_kv_heads, self.spec.head_dim)
+        return keys.reshape(shape), values.reshape(shape)
+
+
+def _quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    # Saturate explicitly: out-of-range casts are not guaranteed to saturate on every backend.
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _dequantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return (x.float() * scale).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------- metadata
+
+
+class SeqSpanLike(Protocol):
+    """What the metadata builder needs of one sequence in a step (SeqSpan, or a scheduler's own type)."""
+
+    @property
+    def start_pos(self) -> int: ...  # positions already in the KV cache
+    @property
+    def num_new_tokens(self) -> int: ...  # positions computed this step (>= 1)
+    @property
+    def block_table(self) -> Sequence[int]: ...  # covers positions 0 .. start_pos + num_new_tokens - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSpan:
+    """A plain SeqSpanLike."""
+
+    start_pos: int
+    num_new_tokens: int
+    block_table: Sequence[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionMetadata:
+    """Addresses of one step's tokens in the paged cache. Tensors live on the model's device; the
+    ``*_list`` twins are the same numbers on the host, so the reference loop never syncs on a tensor."""
+
+    slot_mapping: torch.Tensor  # [T] long: flat cache slot where each new token's K/V is written
+    query_start_loc: torch.Tensor  # [B+1] long: cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] long: context length per sequence including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] long, padded with 0
+    query_start_loc_list: tuple[int, ...]
+    seq_lens_list: tuple[int, ...]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_list[-1]
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_list, default=0)
+
+
+def build_attention_metadata(
+    seqs: Sequence[SeqSpanLike], block_size: int, device: torch.device | str
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata plus the positions tensor ``[T]`` (long) for a step over ``seqs``, in order.
+
+    Raises ValueError when a sequence has no new tokens or its block table does not cover its context;
+    both are scheduler bugs, never user input.
+    """
+    slots: list[int] = []
+    positions: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    for index, seq in enumerate(seqs):
+        start, count = seq.start_pos, seq.num_new_tokens
+        end = start + count
+        if count <= 0 or start < 0:
+            raise ValueError(f"sequence {index}: start_pos={start}, num_new_tokens={count}")
+        num_blocks = -(-end // block_size)
+        if len(seq.block_table) < num_blocks:
+            raise ValueError(
+                f"sequence {index}: block table has {len(seq.block_table)} blocks, "
+                f"positions 0..{end - 1} need {num_blocks} of size {block_size}"
+            )
+        table = list(seq.block_table[:num_blocks])
+        # Walk block by block so a long prompt chunk costs one range() per block, not per token.
+        pos = start
+        while pos < end:
+            block, offset = divmod(pos, block_size)
+            span = min(end - pos, block_size - offset)
+            base = table[block] * block_size + offset
+            slots.extend(range(base, base + span))
+            pos += span
+        positions.extend(range(start, end))
+        query_start_loc.append(query_start_loc[-1] + count)
+        seq_lens.append(end)
+        tables.append(table)
+    max_blocks = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.long, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.long, device=device).reshape(len(tables), max_blocks),
+        query_start_loc_list=tuple(query_start_loc),
+        seq_lens_list=tuple(seq_lens),
+        block_size=block_size,
+    )
+    return meta, torch.tensor(positions, dtype=torch.long, device=device)
+
+
+# ------------------------------------------------------------------------------------------------ backends
+
+
+class AttentionBackend(Protocol):
+    """Attention over the paged cache for one layer of one step."""
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """Write ``k``, ``v`` ``[T, Hkv, D]`` into ``kv_cache`` at ``meta.slot_mapping``, then return causal
+        attention of ``q`` ``[T, Hq, D]`` over each sequence's cached context: ``[T, Hq, D]``, q's dtype.
+        Softmax scale is ``D ** -0.5``; query head ``h`` reads kv head ``h // (Hq // Hkv)``."""
+        ...
+
+
+class TorchPagedAttention:
+    """Reference backend in plain torch (CPU, tests, oracle for the Triton kernels).
+
+    Decoding sequences (one new token) are batched into one padded SDPA call; prompt chunks run one
+    SDPA call each with an explicit causal mask offset by the cached prefix.
+    """
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        kv_cache.write(layer_idx, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc_list
+        block_size = meta.block_size
+        decode_rows: list[int] = []
+        for i, seq_len in enumerate(meta.seq_lens_list):
+            q_start, q_end = starts[i], starts[i + 1]
+            q_len = q_end - q_start
+            if q_len == 1:
+                decode_rows.append(i)
+                continue
+            if q_len == seq_len and not kv_cache.is_fp8:
+                # Whole context is new: the cache would hand back exactly k and v, so skip the gather.
+                keys, values = k[q_start:q_end], v[q_start:q_end]
+            else:
+                num_blocks = -(-seq_len // block_size)
+                keys, values = kv_cache.gather(layer_idx, meta.block_tables[i, :num_blocks])
+                keys, values = keys[:seq_len], values[:seq_len]
+            out[q_start:q_end] = _causal_attention(q[q_start:q_end], keys, values)
+        if len(decode_rows) == 1:
+            i = decode_rows[0]
+            num_blocks = -(-meta.seq_lens_list[i] // block_size)
+            keys, values = kv_cache.gather(layer_idx, meta.block_tables[i, :num_blocks])
+            seq_len = meta.seq_lens_list[i]
+            row = starts[i]
+            out[row : row + 1] = _causal_attention(q[row : row + 1], keys[:seq_len], values[:seq_len])
+        elif decode_rows:
+            out_rows = _batched_decode(q, meta, kv_cache, layer_idx, decode_rows)
+            rows = torch.tensor([starts[i] for i in decode_rows], dtype=torch.long, device=q.device)
+            out[rows] = out_rows
+        return out
+
+
+def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Causal attention where ``q`` ``[q_len, Hq, D]`` holds the last q_len positions of the context
+    ``keys``/``values`` ``[L, Hkv, D]``; returns ``[q_len, Hq, D]``."""
+    q_len, context_len = q.shape[0], keys.shape[0]
+    qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+    if q_len == 1:
+        o = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+    elif q_len == context_len:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:
+        # Query i sits at position context_len - q_len + i and may see keys 0..that position.
+        key_pos = torch.arange(context_len, device=q.device)
+        query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def _batched_decode(
+    q: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, layer_idx: int, seq_indices: list[int]
+) -> torch.Tensor:
+    """One padded SDPA call for many one-token queries: ``[len(seq_indices), Hq, D]``."""
+    block_size = meta.block_size
+    max_len = max(meta.seq_lens_list[i] for i in seq_indices)
+    num_blocks = -(-max_len // block_size)
+    index = torch.tensor(seq_indices, dtype=torch.long, device=q.device)
+    keys, values = kv_cache.gather(layer_idx, meta.block_tables[index, :num_blocks])  # [B, N*bs, Hkv, D]
+    rows = meta.query_start_loc[index]
+    qb = q[rows].unsqueeze(2)  # [B, Hq, 1, D]
+    key_pos = torch.arange(keys.shape[1], device=q.device)
+    mask = (key_pos[None, :] < meta.seq_lens[index][:, None])[:, None, None, :]  # [B, 1, 1, L]
+    o = F.scaled_dot_product_attention(
+        qb, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True
+    )
+    return o.squeeze(2)

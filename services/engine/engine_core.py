@@ -1,0 +1,320 @@
+"""EngineCore: one synchronous step loop over the scheduler, the model runner and the sampler.
+
+The core is owned by one thread (the step thread of :mod:`async_engine`, or the caller of the
+offline :class:`llm.LLM`). Each :meth:`EngineCore.step` plans a batch (scheduler), runs it (runner),
+samples one token per sequence that reached its last known token (sampler), then detokenizes and
+checks stop strings, and returns what each request produced as :class:`RequestOutput` values.
+The clock is passed in (``now`` callables), so tests can drive it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from services.engine.attention import KVCache, KVCacheSpec
+from services.engine.errors import EngineError, InvalidParameterError
+from services.engine.loader import load_model
+from services.engine.model_runner import ModelRunner
+from services.engine.request import Request
+from services.engine.sampler import Sampler
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from services.engine.stop_checker import StopChecker
+from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Share of the free memory the KV cache may take when no capacity is given.
+DEFAULT_KV_MEMORY_FRACTION = 0.25
+THROUGHPUT_WINDOW_S = 5.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """One engine's settings. ``kv_capacity_tokens`` None sizes the cache from free memory."""
+
+    model_path: Path
+    model_id: str | None = None
+    dtype: str | None = None
+    device: str = "cpu"
+    kv_dtype: Literal["auto", "fp8"] = "auto"
+    kv_capacity_tokens: int | None = None
+    kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION
+    block_size: int = 16
+    max_concurrency: int = 8
+    max_pending_requests: int = 64
+    max_context: int | None = None
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    preserve_thinking: bool = False
+    torch_threads: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Milliseconds, measured on the engine's monotonic clock."""
+
+    queue_ms: float
+    prompt_ms: float
+    predicted_ms: float
+    ttft_ms: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one request produced in one step. ``text`` is the new text only (stop strings removed)."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    timings: RequestTimings | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What telemetry publishes: scheduler state, totals since start, throughput over a window."""
+
+    stats: SchedulerStats
+    lanes: int
+    max_pending: int
+    max_context: int
+    kv_capacity_tokens: int
+    admitted_total: int
+    admitted_by_source: dict[str, int]
+    prompt_tokens_total: int
+    output_tokens_total: int
+    prefill_tok_per_s: float
+    decode_tok_per_s: float
+
+
+@dataclass
+class _RequestState:
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+    generator: torch.Generator | None
+
+
+@dataclass
+class ThroughputWindow:
+    """Tokens per second over the last ``window_s`` seconds (pure: times are passed in)."""
+
+    window_s: float = THROUGHPUT_WINDOW_S
+    _events: collections.deque[tuple[float, int, int]] = field(default_factory=collections.deque)
+
+    def add(self, now: float, prefill_tokens: int, decode_tokens: int) -> None:
+        self._events.append((now, prefill_tokens, decode_tokens))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+    def rates(self, now: float) -> tuple[float, float]:
+        self._trim(now)
+        prefill = sum(e[1] for e in self._events)
+        decode = sum(e[2] for e in self._events)
+        return prefill / self.window_s, decode / self.window_s
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free VRAM on CUDA, else available RAM (MemAvailable)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 30
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.device = torch.device(config.device)
+        self.model, self.model_config = load_model(config.model_path, dtype=config.dtype, device=self.device)
+        self.tokenizer = Tokenizer.from_dir(config.model_path)
+        self.model_id = config.model_id or Path(config.model_path).name
+        dtype = next(self.model.parameters()).dtype
+        spec = KVCacheSpec(
+            num_layers=self.model_config.num_hidden_layers, num_kv_heads=self.model_config.num_key_value_heads,
+            head_dim=self.model_config.head_dim, block_size=config.block_size, dtype=dtype,
+            kv_cache_dtype=config.kv_dtype,
+        )
+        self.free_memory_bytes = free_memory_bytes(self.device)
+        if config.kv_capacity_tokens is not None:
+            # +1 block: block 0 is the scheduler's reserved null block.
+            self.kv_cache = KVCache.for_capacity_tokens(spec, config.kv_capacity_tokens + config.block_size,
+                                                        self.device)
+        else:
+            budget = int(self.free_memory_bytes * config.kv_memory_fraction)
+            self.kv_cache = KVCache.for_byte_budget(spec, budget, self.device)
+        self.kv_capacity_tokens = (self.kv_cache.num_blocks - 1) * config.block_size
+        model_limit = self.model_config.max_position_embeddings
+        self.max_context = min(config.max_context or model_limit, model_limit)
+        if self.max_context > self.kv_capacity_tokens and config.max_context is not None:
+            raise EngineError(
+                f"max_context {self.max_context} exceeds the KV capacity of {self.kv_capacity_tokens} tokens: "
+                "raise --kv-capacity or lower --max-context"
+            )
+        self.max_context = min(self.max_context, self.kv_capacity_tokens)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens, max_concurrency=config.max_concurrency,
+            max_pending_requests=config.max_pending_requests, max_context=self.max_context,
+            block_size=config.block_size, num_blocks=self.kv_cache.num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        ))
+        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, config.block_size, self.device)
+        self.sampler = Sampler()
+        self.eos_token_ids = self.tokenizer.stop_token_ids
+        self._states: dict[str, _RequestState] = {}
+        self._throughput = ThroughputWindow()
+        self.admitted_total = 0
+        self.admitted_by_source: collections.Counter[str] = collections.Counter()
+        self.prompt_tokens_total = 0
+        self.output_tokens_total = 0
+
+    # ---- intake -------------------------------------------------------------------------------------
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, preserve_thinking=self.config.preserve_thinking
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    now: float, source: str = "") -> None:
+        """Queue a request. Raises InvalidParameterError, ContextLengthExceededError, QueueFullError."""
+        self.admitted_by_source[source] += 1  # counts every request received, refused or not
+        if not prompt_token_ids:
+            raise InvalidParameterError("prompt", "", "the prompt encodes to no tokens")
+        params.validate()
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_token_ids):
+            raise InvalidParameterError("prompt", "token ids", f"token ids must be in [0, {vocab})")
+        request = Request(request_id, prompt_token_ids, params, arrival_s=now, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add_request(request)
+        generator = None
+        if params.seed is not None and not params.is_greedy:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self._states[request_id] = _RequestState(
+            IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_token_ids), StopChecker(params.stop), generator
+        )
+        self.admitted_total += 1
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def abort(self, request_id: str, now: float) -> RequestOutput | None:
+        request = self.scheduler.abort_request(request_id, now)
+        state = self._states.pop(request_id, None)
+        if request is None or state is None:
+            return None
+        return self._output(request, "", (), now)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ----------------------------------------------------------------------------------
+
+    def step(self, now: Callable[[], float]) -> list[RequestOutput]:
+        plan = self.scheduler.schedule(now())
+        if plan.is_empty:
+            return []
+        logits = self.runner.run(plan.scheduled)
+        sampled_seqs = [s for s in plan.scheduled if s.needs_logits]
+        requests = [self.scheduler.get_request(s.request_id) for s in sampled_seqs]
+        params = [r.sampling_params for r in requests if r is not None]
+        generators = [self._states[r.request_id].generator for r in requests if r is not None]
+        token_ids, _logprobs = self.sampler.sample(logits, params, generators)
+        sampled = {s.request_id: t for s, t in zip(sampled_seqs, token_ids, strict=True)}
+        t = now()
+        updated = self.scheduler.update_from_output(plan, sampled, t)
+        self._throughput.add(t, plan.num_prefill_tokens, plan.num_decode_tokens)
+        outputs = []
+        for request in updated:
+            if request.request_id not in sampled:
+                continue  # a prefill chunk that is not the last: nothing to say yet
+            outputs.append(self._emit(request, sampled[request.request_id], t))
+        return outputs
+
+    def _emit(self, request: Request, token_id: int, now: float) -> RequestOutput:
+        state = self._states[request.request_id]
+        self.output_tokens_total += 1
+        finished_by_token = request.is_finished and request.finish_reason == "stop"
+        delta = "" if finished_by_token else state.detokenizer.push(token_id)
+        scan = state.stop_checker.feed(delta)
+        text = scan.text_to_emit
+        if scan.is_stopped and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, "stop", now)
+        if request.is_finished:
+            if not scan.is_stopped:
+                text += state.stop_checker.feed(state.detokenizer.flush()).text_to_emit
+                text += state.stop_checker.flush()
+            del self._states[request.request_id]
+        return self._output(request, text, (token_id,), now)
+
+    def _output(self, request: Request, text: str, token_ids: tuple[int, ...], now: float) -> RequestOutput:
+        timings = None
+        if request.is_finished:
+            start = request.first_scheduled_s if request.first_scheduled_s is not None else now
+            first = request.first_token_s if request.first_token_s is not None else now
+            timings = RequestTimings(
+                queue_ms=(start - request.arrival_s) * 1000.0,
+                prompt_ms=(first - start) * 1000.0,
+                predicted_ms=(now - first) * 1000.0,
+                ttft_ms=(request.first_token_s - request.arrival_s) * 1000.0
+                if request.first_token_s is not None else None,
+            )
+        return RequestOutput(
+            request_id=request.request_id, text=text, token_ids=token_ids,
+            finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_prompt_tokens or 0,
+            num_output_tokens=request.num_output_tokens, timings=timings,
+        )
+
+    # ---- telemetry ---------------------------------------------------------------------------------
+
+    def snapshot(self, now: float) -> EngineSnapshot:
+        prefill, decode = self._throughput.rates(now)
+        return EngineSnapshot(
+            stats=self.scheduler.stats(), lanes=self.config.max_concurrency,
+            max_pending=self.config.max_pending_requests, max_context=self.max_context,
+            kv_capacity_tokens=self.kv_capacity_tokens, admitted_total=self.admitted_total,
+            admitted_by_source=dict(self.admitted_by_source), prompt_tokens_total=self.prompt_tokens_total,
+            output_tokens_total=self.output_tokens_total, prefill_tok_per_s=prefill, decode_tok_per_s=decode,
+        )
+
+    def describe(self) -> str:
+        gib = self.free_memory_bytes / 2**30
+        where = "VRAM" if self.device.type == "cuda" else "RAM"
+        return (
+            f"model {self.model_id} ({self.model_config.architecture}, "
+            f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M params) on {self.device}; "
+            f"free {where} {gib:.1f} GiB; KV capacity {self.kv_capacity_tokens} tokens "
+            f"({self.config.kv_dtype}, {math.ceil(self.kv_cache.nbytes / 2**20)} MiB); "
+            f"lanes {self.config.max_concurrency}; queue {self.config.max_pending_requests}; "
+            f"max context {self.max_context}"
+        )

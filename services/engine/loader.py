@@ -1,0 +1,189 @@
+"""Loading an HF-format checkpoint directory into a CausalLM.
+
+A directory holds ``config.json`` and either ``model.safetensors`` or a sharded set described by
+``model.safetensors.index.json`` (``weight_map``: tensor name → shard file). Tensor names are
+transformers' (``model.layers.N.self_attn.q_proj.weight`` … ``lm_head.weight``). Every tensor the config
+implies must be present with exactly the expected shape; anything else in the files (e.g. an old
+``rotary_emb.inv_freq``) is ignored. q/k/v and gate/up are copied into slices of the model's fused
+weights. With ``tie_word_embeddings`` the LM head *is* the embedding, and ``lm_head.weight`` is not read
+even if present (transformers does the same).
+
+Every failure is a ModelLoadError whose reason is one line naming the file, key or tensor at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import cast
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from services.engine.errors import ModelLoadError
+from services.engine.model import CausalLM, DecoderLayer
+from services.engine.model_config import DTYPES, ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu"
+) -> tuple[CausalLM, ModelConfig]:
+    """Read the checkpoint at ``path`` and return the model (in eval mode) and its config.
+
+    ``dtype``: the weights' dtype; ``None`` takes config.json's ``torch_dtype`` (float32 when absent).
+    bfloat16 and float16 work on CPU too, just slower.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelLoadError(str(root), "directory does not exist")
+    config = ModelConfig.from_dir(root)
+    target_dtype = _resolve_dtype(dtype, config, root)
+    files = _tensor_files(root)
+
+    model = CausalLM(config, dtype=target_dtype, device=device)
+    expected = _expected_shapes(config)
+    with ExitStack() as stack:
+        handles = {}
+        for name, file in files.items():
+            if name not in expected:
+                continue
+            if file not in handles:
+                try:
+                    handles[file] = stack.enter_context(safe_open(str(root / file), framework="pt"))
+                except (OSError, SafetensorError) as exc:
+                    raise ModelLoadError(str(root / file), f"cannot read safetensors file: {exc}") from exc
+        for name, shape in expected.items():
+            source = files.get(name)
+            if source is None:
+                raise ModelLoadError(str(root), f"missing tensor {name!r}")
+            tensor = handles[source].get_tensor(name)
+            if tuple(tensor.shape) != shape:
+                raise ModelLoadError(
+                    str(root / source), f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
+                )
+            _destination(model, config, name).copy_(tensor.to(target_dtype))
+    return model.eval(), config
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig, root: Path) -> torch.dtype:
+    if dtype is None:
+        return config.dtype
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ModelLoadError(str(root), f"unsupported dtype {dtype} (supported: {', '.join(DTYPES)})")
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(str(root), f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def _tensor_files(root: Path) -> dict[str, str]:
+    """Tensor name → file name (relative to ``root``) for every tensor in the checkpoint."""
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(str(index_path), f"invalid index file: {exc!r}") from exc
+        for file in set(weight_map.values()):
+            if not (root / file).is_file():
+                raise ModelLoadError(str(root), f"shard {file!r} named in {INDEX_FILE} not found")
+        return dict(weight_map)
+    single = root / SINGLE_FILE
+    if not single.is_file():
+        raise ModelLoadError(str(root), f"neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    try:
+        with safe_open(str(single), framework="pt") as handle:
+            return {name: SINGLE_FILE for name in handle.keys()}
+    except (OSError, SafetensorError) as exc:
+        raise ModelLoadError(str(single), f"cannot read safetensors file: {exc}") from exc
+
+
+def _layer_tensors(config: ModelConfig, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    h, d = config.hidden_size, config.head_dim
+    q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
+    prefix = f"model.layers.{i}"
+    yield f"{prefix}.input_layernorm.weight", (h,)
+    yield f"{prefix}.post_attention_layernorm.weight", (h,)
+    for proj, rows in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
+        yield f"{prefix}.self_attn.{proj}.weight", (rows, h)
+        if config.attention_bias:
+            yield f"{prefix}.self_attn.{proj}.bias", (rows,)
+    yield f"{prefix}.self_attn.o_proj.weight", (h, q_size)
+    if config.o_proj_bias:
+        yield f"{prefix}.self_attn.o_proj.bias", (h,)
+    if config.qk_norm:
+        yield f"{prefix}.self_attn.q_norm.weight", (d,)
+        yield f"{prefix}.self_attn.k_norm.weight", (d,)
+    yield f"{prefix}.mlp.gate_proj.weight", (config.intermediate_size, h)
+    yield f"{prefix}.mlp.up_proj.weight", (config.intermediate_size, h)
+    yield f"{prefix}.mlp.down_proj.weight", (h, config.intermediate_size)
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor the model needs, with its shape, in load order."""
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size)
+    }
+    for i in range(config.num_hidden_layers):
+        shapes.update(_layer_tensors(config, i))
+    shapes["model.norm.weight"] = (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return shapes
+
+
+def _destination(model: CausalLM, config: ModelConfig, name: str) -> torch.Tensor:
+    """The model tensor (or slice of a fused tensor) that checkpoint tensor ``name`` is copied into."""
+    if name == "model.embed_tokens.weight":
+        return model.embed_tokens.data
+    if name == "model.norm.weight":
+        return model.norm.weight.data
+    if name == "lm_head.weight":
+        return model.lm_head.data
+    _, _, index, module, *rest = name.split(".")
+    layer = cast(DecoderLayer, model.layers[int(index)])
+    leaf = ".".join([module, *rest])
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    qkv_slices = {
+        "q_proj": (0, q_size),
+        "k_proj": (q_size, q_size + kv_size),
+        "v_proj": (q_size + kv_size, q_size + 2 * kv_size),
+    }
+    attn, mlp = layer.self_attn, layer.mlp
+    match leaf.split("."):
+        case ["input_layernorm", "weight"]:
+            return layer.input_layernorm.weight.data
+        case ["post_attention_layernorm", "weight"]:
+            return layer.post_attention_layernorm.weight.data
+        case ["self_attn", ("q_proj" | "k_proj" | "v_proj") as proj, "weight"]:
+            lo, hi = qkv_slices[proj]
+            return attn.qkv_weight.data[lo:hi]
+        case ["self_attn", ("q_proj" | "k_proj" | "v_proj") as proj, "bias"]:
+            lo, hi = qkv_slices[proj]
+            assert attn.qkv_bias is not None
+            return attn.qkv_bias.data[lo:hi]
+        case ["self_attn", "o_proj", "weight"]:
+            return attn.o_weight.data
+        case ["self_attn", "o_proj", "bias"]:
+            assert attn.o_bias is not None
+            return attn.o_bias.data
+        case ["self_attn", "q_norm", "weight"]:
+            assert attn.q_norm is not None
+            return attn.q_norm.weight.data
+        case ["self_attn", "k_norm", "weight"]:
+            assert attn.k_norm is not None
+            return attn.k_norm.weight.data
+        case ["mlp", "gate_proj", "weight"]:
+            return mlp.gate_up_weight.data[: config.intermediate_size]
+        case ["mlp", "up_proj", "weight"]:
+            return mlp.gate_up_weight.data[config.intermediate_size :]
+        case ["mlp", "down_proj", "weight"]:
+            return mlp.down_weight.data
+    raise AssertionError(f"no destination for {name}")  # _expected_shapes and this table disagree

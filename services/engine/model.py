@@ -1,0 +1,209 @@
+"""CausalLM: one decoder for the Llama, Qwen2 and Qwen3 families over a paged KV cache.
+
+The three families share everything but two details, both driven by ModelConfig:
+* Qwen2 puts a bias on the q/k/v projections (``config.attention_bias``);
+* Qwen3 RMS-normalises every query and key head before RoPE (``config.qk_norm``).
+
+The model works on a whole step's tokens flattened into one ``[T]`` row (no padding); which rows belong
+to which sequence, and where their K/V live, is the AttentionMetadata's business. q/k/v and gate/up are
+each one fused matmul (the loader concatenates the checkpoint's tensors): on CPU a tiny model's step
+time is dominated by per-op overhead, so two fewer matmuls per layer is measurable.
+
+Numerics follow transformers' eager implementation op for op (RMSNorm in float32 then cast back, cos/sin
+computed in float32 from integer positions then cast to the activation dtype), which is what the
+greedy-equivalence tests hold us to.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
+from services.engine.model_config import ModelConfig
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    # Weights are filled by the loader; inference never needs gradients.
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = _param(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` float32, with the config's scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # "llama3": keep high frequencies, divide low ones by `factor`, interpolate in between
+    # (transformers' _compute_llama3_parameters).
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, H, D]``; ``cos``/``sin`` ``[T, 1, D]`` in x's dtype."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_weight = _param(q_size + 2 * kv_size, config.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = (
+            _param(q_size + 2 * kv_size, dtype=dtype, device=device) if config.attention_bias else None
+        )
+        self.o_weight = _param(config.hidden_size, q_size, dtype=dtype, device=device)
+        self.o_bias = _param(config.hidden_size, dtype=dtype, device=device) if config.o_proj_bias else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = torch.split(F.linear(x, self.qkv_weight, self.qkv_bias), self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        o = backend.forward(self.layer_idx, q, k, v, meta, kv_cache)
+        return F.linear(o.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one ``[2I, H]`` weight."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.gate_up_weight = _param(
+            2 * config.intermediate_size, config.hidden_size, dtype=dtype, device=device
+        )
+        self.down_weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, layer_idx, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        attn_out: torch.Tensor = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend)
+        x = x + attn_out
+        mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + mlp_out
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM. Parameters are allocated uninitialised; ``services.engine.loader`` fills them.
+
+    ``attention`` is the backend every layer calls (TorchPagedAttention unless told otherwise).
+    """
+
+    inv_freq: torch.Tensor  # RoPE inverse frequencies [head_dim / 2], float32 (a non-persistent buffer)
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        attention: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.attention: AttentionBackend = attention or TorchPagedAttention()
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        # Tied: the same Parameter object, so one copy in memory and the loader fills it once.
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )
+        self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """``input_ids``, ``positions`` ``[T]`` long → final-normed hidden states ``[T, hidden_size]``.
+
+        Writes each token's K/V into ``kv_cache`` at ``meta.slot_mapping`` as a side effect.
+        """
+        x = F.embedding(input_ids, self.embed_tokens)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, kv_cache, self.attention)
+        hidden: torch.Tensor = self.norm(x)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, hidden_size]`` → logits ``[N, vocab_size]`` in float32."""
+        return F.linear(hidden, self.lm_head).float()

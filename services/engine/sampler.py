@@ -1,0 +1,144 @@
+"""Turns a step's logits into one token per request (greedy, temperature, top-k, top-p, seeds).
+
+Contract of :meth:`Sampler.sample`: row ``i`` of ``logits`` belongs to ``params[i]`` and
+``generators[i]``, and the token drawn for row ``i`` depends only on that row, its params and its
+generator, never on the other rows. So a seeded request (the caller keeps one ``torch.Generator`` per
+request, seeded from ``SamplingParams.seed``, on the logits' device) yields the same tokens whatever
+shares its batch. Rows whose generator is None draw from torch's default generator.
+
+Random rows are sampled with the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. picks
+index ``i`` with probability ``p_i`` (the argmin of ``E_i / p_i``, exponentials with rates ``p_i``), which
+vectorises over rows and needs no cumulative sum or host sync. Greedy rows take ``argmax(logits)``.
+Filtering order, as in HF transformers and vLLM: temperature, then top-k, then top-p over the
+renormalised top-k distribution.
+
+Logprobs, when a row asks for them, are ``log_softmax`` of the raw logits (before temperature and
+filtering), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+
+# Smallest positive float32; keeps E > 0 so p / E never divides by zero (0 / 0 = NaN would win argmax).
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The sampled token's log-probability and the row's top-n ``(token_id, logprob)``, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+class Sampler:
+    """Stateless; one instance per engine. Works on any device the logits live on."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """Sample one token per row of ``logits`` ``[N, V]``.
+
+        Returns ``(token_ids, logprobs)``; ``logprobs`` is None when no row asked for them, else a list
+        with None for the rows that did not.
+        """
+        n = logits.shape[0]
+        if logits.dim() != 2 or len(params) != n or len(generators) != n:
+            raise ValueError(
+                f"logits {tuple(logits.shape)} must be [N, V] with N = len(params) = len(generators) "
+                f"({len(params)}, {len(generators)})"
+            )
+        logits = logits.float()
+        greedy = [p.is_greedy for p in params]
+        sampled = logits.argmax(dim=-1)
+        if not all(greedy):
+            random_ids = self._sample_random(logits, params, generators, greedy)
+            greedy_mask = torch.tensor(greedy, device=logits.device)
+            sampled = torch.where(greedy_mask, sampled, random_ids)
+        token_ids: list[int] = sampled.tolist()
+        if not any(p.logprobs is not None for p in params):
+            return token_ids, None
+        return token_ids, self._logprobs(logits, params, sampled)
+
+    def _sample_random(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        greedy: list[bool],
+    ) -> torch.Tensor:
+        device = logits.device
+        # Greedy rows get temperature 1 here only to stay finite; their draw is discarded.
+        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                             device=device)
+        scaled = logits / temps.unsqueeze(1)
+        top_k = [0 if g else p.effective_top_k for p, g in zip(params, greedy, strict=True)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        race = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None and not greedy[i]]
+        if unseeded:
+            race.exponential_()
+        for i, gen in enumerate(generators):
+            if gen is not None and not greedy[i]:
+                # Row i's draw comes from its own generator only: independent of batch position.
+                race[i].exponential_(generator=gen)
+        return (probs / race.clamp_min_(_TINY)).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, params: Sequence[SamplingParams], sampled: torch.Tensor
+    ) -> list[TokenLogprobs | None]:
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        lp = torch.log_softmax(logits[rows], dim=-1)
+        chosen = lp.gather(1, sampled[rows].unsqueeze(1)).squeeze(1).tolist()
+        max_n = max(params[i].logprobs or 0 for i in rows)
+        top_vals, top_ids = lp.topk(max_n, dim=-1) if max_n > 0 else (lp[:, :0], lp[:, :0].long())
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        sampled_l = sampled.tolist()
+        out: list[TokenLogprobs | None] = [None] * len(params)
+        for j, i in enumerate(rows):
+            k = params[i].logprobs or 0
+            top = tuple(zip(top_ids_l[j][:k], top_vals_l[j][:k], strict=True))
+            out[i] = TokenLogprobs(token_id=sampled_l[i], logprob=chosen[j], top=top)
+        return out
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+    """Set filtered-out logits to -inf, per row. ``top_k[i] == 0`` and ``top_p[i] == 1.0`` mean off.
+
+    Top-k keeps exactly ``k`` tokens (ties broken by sort order). Top-p then keeps the minimal nucleus
+    of the renormalised top-k distribution: token ``j`` (in descending order) stays iff the mass of the
+    tokens before it is ``< p``, so the kept set is the shortest prefix whose mass reaches ``p``, and the
+    most likely token always stays.
+    """
+    vocab = logits.shape[1]
+    device = logits.device
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(vocab, device=device).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=device).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
+    p_rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    if p_rows:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        p = torch.tensor(top_p, device=device, dtype=probs.dtype).unsqueeze(1)
+        drop = mass_before >= p
+        # Rows with top_p == 1 are untouched: float error could make the mass before a tail token
+        # reach 1.0 and drop it.
+        drop &= (p < 1.0)
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)

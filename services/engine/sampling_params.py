@@ -1,0 +1,106 @@
+"""Per-request sampling parameters: what to generate and when to stop.
+
+A frozen value built once at the edge (the service decodes a ``GenerateRequest`` into it) and then
+trusted inside the engine. ``validate()`` is the edge check; it raises
+:class:`~services.engine.errors.InvalidParameterError` naming the offending field, so the shell can
+answer 400 with ``param`` set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.engine.errors import InvalidParameterError
+
+# OpenAI caps top_logprobs at 20; keeping the same cap bounds the per-step host transfer.
+MAX_LOGPROBS = 20
+
+# torch.Generator.manual_seed accepts the unsigned 64-bit range.
+_MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How one request samples and stops.
+
+    - ``max_tokens``: output tokens to generate at most (>= 1); reaching it finishes with ``"length"``.
+    - ``temperature``: 0 means greedy (argmax); otherwise logits are divided by it before softmax.
+    - ``top_p``: nucleus mass in (0, 1]; 1 disables it. The smallest set of most-likely tokens whose
+      cumulative probability reaches ``top_p`` is kept (always at least one token).
+    - ``top_k``: keep the ``k`` most likely tokens; 0 or -1 disables it.
+    - ``seed``: when set, the request draws from its own ``torch.Generator`` seeded with it, so the
+      same request gives the same tokens whatever else shares its batch.
+    - ``stop``: stop strings, matched on detokenized text by the caller (see ``stop_checker.py``);
+      the matched string is not emitted.
+    - ``stop_token_ids``: token ids that finish the request with ``"stop"`` (even with ``ignore_eos``).
+    - ``ignore_eos``: do not stop on the model's end-of-sequence tokens.
+    - ``logprobs``: return the top-n log-probabilities per output token (0..20), or None for none.
+
+    Sequences given for ``stop``/``stop_token_ids`` are stored as tuples so the value stays hashable.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Callers naturally pass lists (JSON arrays); freeze them so the dataclass stays immutable.
+        if not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", _as_tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request takes the argmax token (temperature 0)."""
+        return self.temperature == 0.0
+
+    @property
+    def effective_top_k(self) -> int:
+        """``top_k`` with both "off" spellings (0 and -1) normalised to 0."""
+        return self.top_k if self.top_k > 0 else 0
+
+    def validate(self) -> SamplingParams:
+        """Check every field's range; return ``self`` so it chains. Raises InvalidParameterError."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidParameterError("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if not _is_real(self.temperature) or not (0.0 <= self.temperature < float("inf")):
+            raise InvalidParameterError("temperature", self.temperature, "must be a finite number >= 0")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidParameterError("top_p", self.top_p, "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise InvalidParameterError("top_k", self.top_k, "must be -1, 0 (off) or a positive integer")
+        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed <= _MAX_SEED)):
+            raise InvalidParameterError("seed", self.seed, f"must be an integer in [0, {_MAX_SEED}]")
+        for s in self.stop:
+            if not isinstance(s, str) or s == "":
+                raise InvalidParameterError("stop", s, "stop strings must be non-empty strings")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise InvalidParameterError("stop_token_ids", t, "token ids must be integers >= 0")
+        n = self.logprobs
+        if n is not None and (not _is_int(n) or not (0 <= n <= MAX_LOGPROBS)):
+            raise InvalidParameterError("logprobs", n, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        return self
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    # A bare string is one stop string, not a sequence of one-character stops.
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

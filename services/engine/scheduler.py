@@ -1,0 +1,409 @@
+"""Which tokens of which requests the next forward step computes (vLLM v1's scheduler, simplified).
+
+Each step has one token budget (``max_num_batched_tokens``) shared by decodes and chunked prefills; there
+is no separate prefill phase. A request only has ``num_computed_tokens`` (tokens whose KV is in the
+cache) and ``num_tokens`` (prompt + output); each step computes some of the gap.
+
+``schedule()``:
+
+1. **Running requests, oldest first.** Each gets ``num_tokens - num_computed_tokens`` tokens (1 for a
+   decode; a prefill chunk, capped by ``long_prefill_token_threshold`` and the remaining budget).
+   When the pool cannot give it the blocks, the *newest* running request is preempted (its blocks freed,
+   ``num_computed_tokens`` reset to 0, put at the front of the waiting queue; its tokens, outputs
+   included, are recomputed on re-admission, mostly from the prefix cache) and the allocation retried.
+   If the request itself is the newest, it is the one preempted.
+2. **Waiting requests, FIFO**, while lanes (``max_concurrency``), budget and blocks allow and no request
+   was preempted this step (admitting one would just take the blocks the preempted one needs). A
+   request's cached prefix (full blocks) is taken from the prefix cache and not recomputed. The head of
+   the queue blocks the rest: no overtaking, so a large request is not starved.
+
+``update_from_output()`` advances progress, appends sampled tokens, and finishes requests on
+``max_tokens`` ("length") or an EOS / stop token id ("stop"). Stop *strings* need detokenized text, so
+the caller checks them and calls :meth:`Scheduler.finish_request`.
+
+The scheduler never touches tensors and never reads a clock: times come in as ``now`` arguments.
+Admission limits: a request is refused at :meth:`Scheduler.add_request` when it could never run to
+completion alone (``prompt + max_tokens`` beyond ``max_context`` or beyond the whole KV cache), which is
+what guarantees progress: the oldest running request is never preempted, and it always fits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from services.engine.block_pool import BlockPool, HashFn, hash_block_tokens
+from services.engine.errors import (
+    ContextLengthExceededError,
+    DuplicateRequestError,
+    InvalidParameterError,
+    QueueFullError,
+)
+from services.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    """Limits of one engine's scheduler. Validated on construction; a bad value names its field.
+
+    - ``max_num_batched_tokens``: token budget of one forward step (prefill chunks + decodes).
+    - ``max_concurrency``: lanes, the most requests running (holding KV blocks) at once.
+    - ``max_pending_requests``: the waiting queue's bound; a full queue refuses with QueueFullError.
+    - ``max_context``: per-request limit on ``prompt tokens + max_tokens``.
+    - ``block_size`` (tokens per KV block), ``num_blocks`` (physical blocks, block 0 reserved as null).
+    - ``long_prefill_token_threshold``: cap on one prefill chunk, so a long prompt cannot take the whole
+      budget of a step from other prefills; None = only the budget caps it.
+    - ``queue_full_retry_after_s``: the Retry-After hint carried by QueueFullError.
+    """
+
+    max_num_batched_tokens: int
+    max_concurrency: int
+    max_pending_requests: int
+    max_context: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int | None = None
+    queue_full_retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_concurrency", "max_context", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_pending_requests < 0:
+            raise ValueError(f"max_pending_requests must be >= 0, got {self.max_pending_requests}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 1 or None, got {self.long_prefill_token_threshold}"
+            )
+        if self.queue_full_retry_after_s < 0:
+            raise ValueError(f"queue_full_retry_after_s must be >= 0, got {self.queue_full_retry_after_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One request's work in a step: compute KV for ``token_ids`` at positions ``start_pos ...``.
+
+    ``block_table`` is the request's physical block ids in sequence order after this step's allocation,
+    long enough for ``start_pos + len(token_ids)`` tokens. ``needs_logits`` is True when the chunk ends
+    at the last known token, i.e. the step must return logits for its last position and a token is
+    sampled for the request; False for a prefill chunk that is not the last.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    needs_logits: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """The plan of one step. ``scheduled`` is in scheduling order (running first, then new admissions).
+
+    ``preempted_ids``: requests that lost their blocks this step (a runner drops any per-request state).
+    Token counts: ``num_decode_tokens`` counts one-token steps of requests that already have output and
+    are caught up; everything else (prompt chunks, recomputation after preemption) is prefill.
+    """
+
+    scheduled: tuple[ScheduledSeq, ...]
+    preempted_ids: tuple[str, ...]
+    num_scheduled_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_admitted: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot for telemetry. Totals (``*_total``, prompt tokens) count since start."""
+
+    num_running: int
+    num_waiting: int
+    num_prefilling: int
+    num_decoding: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    kv_usage: float
+    num_preemptions_total: int
+    num_evictions_total: int
+    num_prompt_tokens_queried: int
+    num_prompt_tokens_hit: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prefix-cache hits / queried, in prompt tokens; 0.0 before any query."""
+        q = self.num_prompt_tokens_queried
+        return self.num_prompt_tokens_hit / q if q else 0.0
+
+
+_FINISH_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+class Scheduler:
+    """Admission, per-step token planning, preemption and stop-by-token. One thread owns it."""
+
+    def __init__(self, config: SchedulerConfig, hash_fn: HashFn = hash_block_tokens) -> None:
+        """``hash_fn`` is the prefix cache's block digest; tests pass a weak one to force collisions."""
+        self.config = config
+        self.block_pool = BlockPool(
+            config.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching, hash_fn=hash_fn
+        )
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admission order: index 0 is the oldest
+        self._requests: dict[str, Request] = {}  # every waiting or running request
+        self.num_preemptions = 0
+        # Capacity of the whole KV cache in tokens: a request that needs more could never finish.
+        self._kv_capacity_tokens = self.block_pool.num_total_blocks * config.block_size
+
+    # ---- intake -------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING).
+
+        Raises InvalidParameterError (bad sampling params, empty prompt), ContextLengthExceededError
+        (``prompt + max_tokens`` over ``max_context`` or over the KV cache), DuplicateRequestError,
+        QueueFullError (the waiting queue holds ``max_pending_requests``; preempted requests count).
+        """
+        params = request.sampling_params.validate()
+        if request.num_prompt_tokens == 0:
+            raise InvalidParameterError("prompt", "", "the prompt must have at least one token")
+        num_prompt = request.num_prompt_tokens
+        total = num_prompt + params.max_tokens
+        if total > self.config.max_context:
+            raise ContextLengthExceededError(num_prompt, params.max_tokens, self.config.max_context)
+        # The last sampled token never needs KV, hence total - 1 slots.
+        if total - 1 > self._kv_capacity_tokens:
+            raise ContextLengthExceededError(num_prompt, params.max_tokens, self._kv_capacity_tokens + 1)
+        if request.request_id in self._requests:
+            raise DuplicateRequestError(request.request_id)
+        if len(self._waiting) >= self.config.max_pending_requests:
+            raise QueueFullError(
+                len(self._waiting), self.config.max_pending_requests, self.config.queue_full_retry_after_s
+            )
+        request.status = RequestStatus.WAITING
+        self._waiting.append(request)
+        self._requests[request.request_id] = request
+
+    # ---- planning -----------------------------------------------------------------------------------
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Plan the next step. ``now`` (seconds) stamps ``first_scheduled_s`` on newly admitted requests."""
+        cfg = self.config
+        pool = self.block_pool
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        num_prefill = num_decode = 0
+
+        i = 0
+        while i < len(self._running) and budget > 0:
+            req = self._running[i]
+            num_new = self._chunk_size(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not pool.allocate_slots(req, num_new):
+                victim = self._running.pop()  # the newest; index > i unless it is req itself
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req preempted itself: nothing newer is left running
+            seq = self._make_seq(req, num_new)
+            scheduled.append(seq)
+            budget -= num_new
+            if self._is_decode(req, seq):
+                num_decode += num_new
+            else:
+                num_prefill += num_new
+            i += 1
+
+        num_admitted = 0
+        while self._waiting and budget > 0 and len(self._running) < cfg.max_concurrency and not preempted:
+            req = self._waiting[0]
+            if cfg.enable_prefix_caching:
+                computed, num_cached = pool.get_computed_blocks(req.all_token_ids)
+            else:
+                computed, num_cached = [], 0
+            num_new = self._chunk_size(req.num_tokens - num_cached, budget)
+            if not pool.allocate_slots(req, num_new, computed):
+                break
+            self._waiting.popleft()
+            self._running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            if req.num_cached_prompt_tokens is None:
+                req.num_cached_prompt_tokens = min(num_cached, req.num_prompt_tokens)
+                if cfg.enable_prefix_caching:
+                    pool.record_prefix_lookup(req.num_prompt_tokens, req.num_cached_prompt_tokens)
+            if req.first_scheduled_s is None and now is not None:
+                req.first_scheduled_s = now
+            scheduled.append(self._make_seq(req, num_new))
+            budget -= num_new
+            num_prefill += num_new
+            num_admitted += 1
+
+        return SchedulerOutput(
+            scheduled=tuple(scheduled),
+            preempted_ids=tuple(preempted),
+            num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_decode,
+            num_admitted=num_admitted,
+        )
+
+    def _chunk_size(self, num_remaining: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is not None and num_remaining > 1:
+            num_remaining = min(num_remaining, threshold)
+        return min(num_remaining, budget)
+
+    @staticmethod
+    def _make_seq(req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        end = start + num_new
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=tuple(req.all_token_ids[start:end]),
+            start_pos=start,
+            block_table=tuple(req.block_ids),
+            needs_logits=end == req.num_tokens,
+        )
+
+    @staticmethod
+    def _is_decode(req: Request, seq: ScheduledSeq) -> bool:
+        return seq.num_tokens == 1 and req.num_output_tokens > 0 and seq.start_pos == req.num_tokens - 1
+
+    def _preempt(self, req: Request) -> None:
+        self.block_pool.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(req)
+
+    # ---- results ------------------------------------------------------------------------------------
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, int], now: float
+    ) -> list[Request]:
+        """Apply a finished step: ``sampled`` maps request id -> token for every seq with needs_logits.
+
+        Returns the requests this step touched, in scheduling order; finished ones have a terminal status,
+        ``finished_s = now`` and no blocks, and are no longer known to the scheduler. Seqs of requests
+        aborted since ``schedule()`` are skipped.
+        """
+        pool = self.block_pool
+        updated: list[Request] = []
+        for seq in output.scheduled:
+            req = self._requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            assert req.num_computed_tokens == seq.start_pos, (req, seq)
+            req.num_computed_tokens += seq.num_tokens
+            pool.cache_full_blocks(req)
+            if seq.needs_logits:
+                token_id = sampled[seq.request_id]
+                req.append_output_token(token_id)
+                if req.first_token_s is None:
+                    req.first_token_s = now
+                reason = self._check_stop(req, token_id)
+                if reason is not None:
+                    self._finish(req, _FINISH_STATUS[reason], now)
+            updated.append(req)
+        return updated
+
+    @staticmethod
+    def _check_stop(req: Request, token_id: int) -> str | None:
+        params = req.sampling_params
+        # Stop is checked before length: when the last allowed token is EOS the model did stop, and
+        # "stop" tells the client more than "length" would.
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in req.eos_token_ids):
+            return "stop"
+        if req.num_output_tokens >= params.max_tokens:
+            return "length"
+        return None
+
+    def finish_request(self, request_id: str, reason: str, now: float | None = None) -> Request | None:
+        """Finish a waiting or running request from outside ("stop" | "length" | "abort").
+
+        For stop strings (found by the detokenizing caller) and client disconnects. Frees its blocks.
+        Idempotent: returns None when the request is unknown or already finished.
+        """
+        status = _FINISH_STATUS.get(reason)
+        if status is None:
+            raise ValueError(f"reason must be one of {sorted(_FINISH_STATUS)}, got {reason!r}")
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, status, now)
+        return req
+
+    def abort_request(self, request_id: str, now: float | None = None) -> Request | None:
+        """Abort in any state (waiting, running, preempted); frees blocks; idempotent (None if unknown)."""
+        return self.finish_request(request_id, "abort", now)
+
+    def _finish(self, req: Request, status: RequestStatus, now: float | None) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)  # WAITING or PREEMPTED
+        self.block_pool.free(req)
+        req.status = status
+        req.finished_s = now
+        del self._requests[req.request_id]
+
+    # ---- views --------------------------------------------------------------------------------------
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The waiting or running request with this id, or None."""
+        return self._requests.get(request_id)
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        """Running requests, oldest first."""
+        return tuple(self._running)
+
+    @property
+    def waiting(self) -> tuple[Request, ...]:
+        """Waiting requests in admission order (preempted ones at the front)."""
+        return tuple(self._waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> SchedulerStats:
+        pool = self.block_pool
+        num_decoding = sum(
+            1 for r in self._running if r.num_output_tokens > 0 and r.num_computed_tokens == r.num_tokens - 1
+        )
+        return SchedulerStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            num_prefilling=len(self._running) - num_decoding,
+            num_decoding=num_decoding,
+            num_kv_blocks_used=pool.num_used_blocks,
+            num_kv_blocks_total=pool.num_total_blocks,
+            kv_usage=pool.usage,
+            num_preemptions_total=self.num_preemptions,
+            num_evictions_total=pool.num_evictions,
+            num_prompt_tokens_queried=pool.num_prompt_tokens_queried,
+            num_prompt_tokens_hit=pool.num_prompt_tokens_hit,
+        )

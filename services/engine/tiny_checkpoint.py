@@ -1,0 +1,318 @@
+"""Tiny random-weight HF checkpoints for tests and the demo stack.
+
+``write_tiny_checkpoint`` writes a directory that both this engine and ``transformers`` load:
+``config.json`` (the transformers-4 layout real Llama/Qwen checkpoints ship), ``model.safetensors`` (or
+``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``), ``tokenizer.json``,
+``tokenizer_config.json`` (with a ChatML chat template) and ``generation_config.json``.
+
+Determinism: the weights come from a ``torch.Generator`` seeded with ``seed`` and drawn in a fixed order;
+the tokenizer is a byte-level BPE trained on the docstrings of Python's builtins (sorted by name) plus a
+fixed multilingual line, so the same interpreter version always produces byte-identical files.
+
+Scale: linear weights are N(0, 1/fan_in) (activations stay O(1) through the layers), embeddings N(0, 0.5²)
+or, when tied, N(0, 0.1²) (see ``_weights``), so greedy outputs vary across prompts and steps; norm
+weights 1 + N(0, 0.1²) so a norm that ignored its weight would be caught.
+
+CLI: ``python -m services.engine.tiny_checkpoint OUT_DIR [--arch qwen3] [--hidden-size 64] …``
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Trained as special tokens (skipped when decoding with skip_special_tokens), in this id order.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Added as ordinary tokens, as Qwen3 does, so reasoning text decodes with its tags.
+THINK_TOKENS = ("<think>", "</think>")
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{ raise_exception('unknown role ' ~ message['role'] | tojson) }}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}{{ part['text'] }}{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+_EXTRA_CORPUS = "héllo wörld, ça va? 世界你好。 Привет, мир! 🎉 <think>reasoning</think> The answer is 42.\n"
+
+
+def _corpus() -> list[str]:
+    docs = []
+    for name in sorted(dir(builtins)):
+        doc = getattr(getattr(builtins, name), "__doc__", None)
+        if isinstance(doc, str) and doc not in docs:
+            docs.append(doc)
+    return [*docs, _EXTRA_CORPUS]
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE with exactly ``vocab_size`` tokens: ids 0-2 are SPECIAL_TOKENS, the last two are
+    THINK_TOKENS; if the corpus runs out of merges, ``<|reserved_N|>`` special tokens fill the gap."""
+    minimum = 256 + len(SPECIAL_TOKENS) + len(THINK_TOKENS)
+    if vocab_size < minimum:
+        raise ValueError(
+            f"vocab_size must be at least {minimum} (256 bytes + 5 special tokens), got {vocab_size}"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(THINK_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer)
+    shortfall = vocab_size - len(THINK_TOKENS) - tokenizer.get_vocab_size()
+    if shortfall > 0:
+        tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(shortfall)])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    assert tokenizer.get_vocab_size() == vocab_size, (tokenizer.get_vocab_size(), vocab_size)
+    return tokenizer
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+
+def _config(
+    arch: str,
+    sizes: _Sizes,
+    *,
+    dtype: str,
+    rope_scaling: dict[str, object] | None,
+    max_position_embeddings: int,
+    bos_token_id: int,
+    eos_token_id: int,
+) -> dict[str, object]:
+    config: dict[str, object] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "hidden_act": "silu",
+        "hidden_size": sizes.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": sizes.intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "num_attention_heads": sizes.num_heads,
+        "num_hidden_layers": sizes.num_layers,
+        "num_key_value_heads": sizes.num_kv_heads,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": rope_scaling,
+        "rope_theta": 10000.0 if arch == "llama" else 1000000.0,
+        "tie_word_embeddings": sizes.tie_word_embeddings,
+        "torch_dtype": dtype,
+        "use_cache": True,
+        "vocab_size": sizes.vocab_size,
+    }
+    if arch == "llama":
+        config.update(attention_bias=False, mlp_bias=False, head_dim=sizes.head_dim, pretraining_tp=1)
+    else:
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=sizes.num_layers)
+    if arch == "qwen3":
+        config.update(attention_bias=False, head_dim=sizes.head_dim)
+    return config
+
+
+def _weights(arch: str, sizes: _Sizes, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def linear(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=gen) * cols**-0.5  # type: ignore[no-any-return]
+
+    def norm(size: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(size, generator=gen)
+
+    def bias(size: int) -> torch.Tensor:
+        return 0.1 * torch.randn(size, generator=gen)
+
+    h, head_dim, inter = sizes.hidden_size, sizes.head_dim, sizes.intermediate_size
+    q_size, kv_size = sizes.num_heads * head_dim, sizes.num_kv_heads * head_dim
+    # Measured on 3 prompts x 16 greedy tokens: untied std 0.5 gives 11-16 distinct tokens per run (0.1
+    # often collapses to one repeated token); tied needs 0.1, since larger embeddings make the LM head
+    # answer "the input token again" every step.
+    embed_std = 0.1 if sizes.tie_word_embeddings else 0.5
+    tensors = {"model.embed_tokens.weight": embed_std * torch.randn(sizes.vocab_size, h, generator=gen)}
+    for i in range(sizes.num_layers):
+        p = f"model.layers.{i}"
+        tensors[f"{p}.input_layernorm.weight"] = norm(h)
+        tensors[f"{p}.post_attention_layernorm.weight"] = norm(h)
+        tensors[f"{p}.self_attn.q_proj.weight"] = linear(q_size, h)
+        tensors[f"{p}.self_attn.k_proj.weight"] = linear(kv_size, h)
+        tensors[f"{p}.self_attn.v_proj.weight"] = linear(kv_size, h)
+        if arch == "qwen2":
+            tensors[f"{p}.self_attn.q_proj.bias"] = bias(q_size)
+            tensors[f"{p}.self_attn.k_proj.bias"] = bias(kv_size)
+            tensors[f"{p}.self_attn.v_proj.bias"] = bias(kv_size)
+        tensors[f"{p}.self_attn.o_proj.weight"] = linear(h, q_size)
+        if arch == "qwen3":
+            tensors[f"{p}.self_attn.q_norm.weight"] = norm(head_dim)
+            tensors[f"{p}.self_attn.k_norm.weight"] = norm(head_dim)
+        tensors[f"{p}.mlp.gate_proj.weight"] = linear(inter, h)
+        tensors[f"{p}.mlp.up_proj.weight"] = linear(inter, h)
+        tensors[f"{p}.mlp.down_proj.weight"] = linear(h, inter)
+    tensors["model.norm.weight"] = norm(h)
+    if not sizes.tie_word_embeddings:
+        tensors["lm_head.weight"] = linear(sizes.vocab_size, h)
+    return tensors
+
+
+def _save(tensors: dict[str, torch.Tensor], out: Path, num_shards: int) -> None:
+    if num_shards <= 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    per_shard = -(-len(names) // num_shards)
+    weight_map: dict[str, str] = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        chunk = {n: tensors[n] for n in names[shard * per_shard : (shard + 1) * per_shard]}
+        save_file(chunk, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(chunk, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_tiny_checkpoint(
+    path: str | Path,
+    arch: str = "qwen3",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int = 128,
+    vocab_size: int = 512,
+    tie_word_embeddings: bool = False,
+    dtype: str = "float32",
+    seed: int = 0,
+    num_shards: int = 1,
+    rope_scaling: dict[str, object] | None = None,
+    max_position_embeddings: int = 4096,
+) -> Path:
+    """Write a random-weight checkpoint of family ``arch`` ("llama" | "qwen2" | "qwen3") into ``path``
+    (created if needed) and return it. ``head_dim`` defaults to hidden_size // num_heads; Llama and Qwen3
+    record it in config.json, Qwen2 cannot (its config has no such key), so Qwen2 ignores the argument."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if arch == "qwen2" or head_dim is None:
+        head_dim = hidden_size // num_heads
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer(vocab_size)
+    bos_id, eos_id = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|im_end|>")
+    if bos_id is None or eos_id is None:
+        raise AssertionError("build_tokenizer always adds <|endoftext|> and <|im_end|>")
+    sizes = _Sizes(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    config = _config(
+        arch,
+        sizes,
+        dtype=dtype,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+    )
+    tensors = _weights(arch, sizes, seed)
+    tensors = {name: t.to(_DTYPES[dtype]).contiguous() for name, t in tensors.items()}
+
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _save(tensors, out, num_shards)
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    generation_config = {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id], "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write a tiny random-weight HF checkpoint.")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=None)
+    parser.add_argument("--intermediate-size", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--tie-word-embeddings", action="store_true")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-shards", type=int, default=1)
+    args = parser.parse_args(argv)
+    path = write_tiny_checkpoint(
+        args.out_dir,
+        args.arch,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size,
+        vocab_size=args.vocab_size,
+        tie_word_embeddings=args.tie_word_embeddings,
+        dtype=args.dtype,
+        seed=args.seed,
+        num_shards=args.num_shards,
+    )
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

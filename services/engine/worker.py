@@ -1,0 +1,227 @@
+"""The engine's bus face: answers ``llm.v1.gen.<worker_id>``, honours cancels, publishes heartbeats.
+
+Reply protocol on the request's inbox (all TokenChunks, ``index`` counting from 0):
+chunk 0 is the acceptance (empty) or a refusal (``error`` set: 400 bad request, 429 queue full with
+``retry_after_s``); then one chunk per step with new text; the final chunk carries ``finish_reason``,
+``usage`` and ``timings``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from proto import (
+    ErrorInfo,
+    GenerateRequest,
+    ProtoDecodeError,
+    SlotHeartbeat,
+    Timings,
+    TokenChunk,
+    Usage,
+    decode,
+    encode,
+    subjects,
+)
+from services.common.runtime import new_session_id
+from services.engine.async_engine import AsyncEngine
+from services.engine.engine_core import RequestOutput
+from services.engine.errors import (
+    ContextLengthExceededError,
+    EngineError,
+    InvalidParameterError,
+    QueueFullError,
+)
+from services.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MIN_HEARTBEAT_SPACING_S = 0.05  # on-change heartbeats are rate-limited to 20 Hz
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    heartbeat_interval_s: float = 0.5
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """The OpenAI error fields for an engine exception (the gateway turns them into the HTTP answer)."""
+    if isinstance(exc, QueueFullError):
+        return ErrorInfo(message=exc.message, type="rate_limit_error", code="queue_full", status=429,
+                         retry_after_s=exc.retry_after_s)
+    if isinstance(exc, ContextLengthExceededError):
+        return ErrorInfo(message=exc.message, type="invalid_request_error", code="context_length_exceeded",
+                         param="messages", status=400)
+    if isinstance(exc, InvalidParameterError):
+        return ErrorInfo(message=exc.message, type="invalid_request_error", code="invalid_parameter",
+                         param=exc.field, status=400)
+    if isinstance(exc, EngineError):
+        return ErrorInfo(message=exc.message, type="invalid_request_error", status=400)
+    return ErrorInfo(message="internal engine error", type="server_error", status=500)
+
+
+def sampling_params(req: GenerateRequest, max_context: int, num_prompt_tokens: int) -> SamplingParams:
+    max_tokens = req.max_tokens if req.max_tokens is not None else max(1, max_context - num_prompt_tokens)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+        stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        logprobs=req.logprobs,
+    )
+
+
+class BusWorker:
+    def __init__(self, nc: Client, engine: AsyncEngine, config: WorkerConfig) -> None:
+        self.nc = nc
+        self.engine = engine
+        self.config = config
+        self.session_id = new_session_id()
+        self.model_id = engine.core.model_id
+        self._seq = 0
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._changed = asyncio.Event()
+        self._state = "ready"
+        self._last_hb_s = 0.0
+        engine.on_change(self._changed.set)
+
+    async def run(self) -> None:
+        subs = [
+            await self.nc.subscribe(subjects.gen(self.config.worker_id), cb=self._on_generate),
+            await self.nc.subscribe(subjects.cancel(self.config.worker_id), cb=self._on_cancel),
+        ]
+        try:
+            await self._heartbeats()
+        finally:
+            # Graceful stop: refuse new work, let heartbeats say so, abort what is still running.
+            self._state = "stopped"
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            for task in list(self._tasks.values()):
+                task.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self._publish_heartbeat()
+                await self.nc.flush(timeout=2)
+
+    # ---- heartbeats --------------------------------------------------------------------------------
+
+    def heartbeat(self) -> SlotHeartbeat:
+        snap = self.engine.snapshot()
+        s = snap.stats
+        self._seq += 1
+        return SlotHeartbeat(
+            worker_id=self.config.worker_id, session_id=self.session_id, seq=self._seq, ts_s=time.time(),
+            model_id=self.model_id, engine_kind="native", backend="nats", state=self._state,  # type: ignore[arg-type]
+            lanes=snap.lanes, running=s.num_running, waiting=s.num_waiting, max_pending=snap.max_pending,
+            max_context=snap.max_context, kv_usage=s.kv_usage, kv_blocks_used=s.num_kv_blocks_used,
+            kv_blocks_total=s.num_kv_blocks_total, kv_evictions_total=s.num_evictions_total,
+            kv_spills_total=0, preemptions_total=s.num_preemptions_total, admitted_total=snap.admitted_total,
+            admitted_by_gateway=snap.admitted_by_source,
+            prompt_tokens_queried_total=s.num_prompt_tokens_queried,
+            prompt_tokens_hit_total=s.num_prompt_tokens_hit, prefill_tok_per_s=snap.prefill_tok_per_s,
+            decode_tok_per_s=snap.decode_tok_per_s, heartbeat_interval_s=self.config.heartbeat_interval_s,
+        )
+
+    async def _publish_heartbeat(self) -> None:
+        data = encode(self.heartbeat())
+        self._last_hb_s = time.monotonic()
+        await self.nc.publish(subjects.heartbeat(self.config.worker_id), data)
+        with contextlib.suppress(Exception):
+            kv = await self.nc.jetstream().key_value(subjects.KV_WORKERS)
+            await kv.put(self.config.worker_id, data)
+
+    async def _heartbeats(self) -> None:
+        """Every interval, and soon after any state change (rate-limited)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.heartbeat_interval_s):
+                    await self._changed.wait()
+                    spacing = MIN_HEARTBEAT_SPACING_S - (time.monotonic() - self._last_hb_s)
+                    if spacing > 0:
+                        await asyncio.sleep(spacing)
+            self._changed.clear()
+            try:
+                await self._publish_heartbeat()
+            except Exception as exc:  # bus down: keep serving, heartbeats resume on reconnect
+                log.debug("heartbeat not published: %s", exc)
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    async def _on_generate(self, msg: Msg) -> None:
+        if not msg.reply:
+            log.warning("generate request without a reply inbox on %s: dropped", msg.subject)
+            return
+        try:
+            req = decode(msg.data, GenerateRequest)
+        except ProtoDecodeError as exc:
+            log.warning("rejected malformed GenerateRequest: %s", exc.reason)
+            await self._reply(msg.reply, TokenChunk(request_id="", index=0, finish_reason="error",
+                                                    error=ErrorInfo(message=str(exc), type="invalid_request_error",
+                                                                    status=400)))
+            return
+        if self._state != "ready" or req.request_id in self._tasks:
+            await self._reply(msg.reply, TokenChunk(
+                request_id=req.request_id, index=0, finish_reason="error",
+                error=ErrorInfo(message="engine is shutting down", type="service_unavailable", status=503,
+                                retry_after_s=1)))
+            return
+        task = asyncio.create_task(self._serve(req, msg.reply), name=f"gen-{req.request_id}")
+        self._tasks[req.request_id] = task
+        task.add_done_callback(lambda _t, rid=req.request_id: self._tasks.pop(rid, None))
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        task = self._tasks.get(msg.data.decode(errors="replace"))
+        if task is not None:
+            task.cancel()
+
+    async def _reply(self, inbox: str, chunk: TokenChunk) -> None:
+        await self.nc.publish(inbox, encode(chunk))
+
+    async def _serve(self, req: GenerateRequest, inbox: str) -> None:
+        core = self.engine.core
+        index = 0
+        try:
+            if req.messages is not None:
+                prompt_ids = core.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
+            else:
+                prompt_ids = core.encode_prompt(req.prompt or "")
+            params = sampling_params(req, core.max_context, len(prompt_ids))
+            stream = await self.engine.add_request(req.request_id, prompt_ids, params, source=req.gateway_id)
+        except (EngineError, ValueError) as exc:
+            await self._reply(inbox, TokenChunk(request_id=req.request_id, index=0, finish_reason="error",
+                                                error=error_info(exc), worker_id=self.config.worker_id))
+            return
+        await self._reply(inbox, TokenChunk(request_id=req.request_id, index=0, worker_id=self.config.worker_id))
+        try:
+            async for output in stream:
+                index += 1
+                await self._reply(inbox, self._chunk(req.request_id, index, output))
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+
+    def _chunk(self, request_id: str, index: int, output: RequestOutput) -> TokenChunk:
+        if not output.finished:
+            return TokenChunk(request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids))
+        t = output.timings
+        return TokenChunk(
+            request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids),
+            finish_reason=output.finish_reason,  # type: ignore[arg-type]
+            usage=Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
+                        cached_tokens=output.num_cached_tokens),
+            timings=Timings(
+                prompt_n=output.num_prompt_tokens - output.num_cached_tokens, cache_n=output.num_cached_tokens,
+                predicted_n=output.num_output_tokens, prompt_ms=t.prompt_ms if t else 0.0,
+                predicted_ms=t.predicted_ms if t else 0.0, queue_ms=t.queue_ms if t else 0.0,
+                ttft_ms=t.ttft_ms if t else None,
+            ),
+            worker_id=self.config.worker_id,
+        )

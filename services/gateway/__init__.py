@@ -1,0 +1,10 @@
+"""Gateway: the OpenAI-compatible front door.
+
+Keeps the newest SlotHeartbeat per worker (bus subscription + the ``llm_workers`` KV bucket at
+start), routes each request to a live worker with the pure functions in :mod:`router`, streams the
+engine's TokenChunks back as OpenAI responses or SSE, and publishes one UsageRecord per request to
+the ``USAGE`` stream.
+
+Errors: handlers raise :class:`services.common.http.HTTPError`; the error middleware writes the one
+OpenAI error body. :class:`openai_api.InvalidRequest` is a 400 with the offending ``param``.
+"""

@@ -1,0 +1,71 @@
+"""``llmgw gateway``: config → wiring → run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from aiohttp import web
+
+from services.common.bus import bus_session, nats_url_from_env
+from services.common.runtime import ConfigError, announce, data_dir, default_worker_id, run_async_main, setup_logging
+from services.gateway.service import GatewayConfig, GatewayService
+
+DEFAULT_PORT = 8080
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=os.environ.get("LLMGW_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("LLMGW_PORT", DEFAULT_PORT)),
+                        help="listen port (0 picks a free one)")
+    parser.add_argument("--gateway-id", default=os.environ.get("LLMGW_GATEWAY_ID"))
+    parser.add_argument("--nats", help="NATS URL (default: $NATS_URL, else an embedded server)")
+    parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
+    parser.add_argument("--stale-after", type=float, default=3.0, help="seconds before a heartbeat is stale")
+
+
+def build_config(args: argparse.Namespace) -> GatewayConfig:
+    if not 0 <= args.port <= 65535:
+        raise ConfigError("port", f"must be 0..65535, got {args.port}")
+    if args.stale_after <= 0:
+        raise ConfigError("stale-after", "must be > 0")
+    return GatewayConfig(
+        gateway_id=args.gateway_id or default_worker_id("gw"), host=args.host, port=args.port,
+        stale_after_s=args.stale_after,
+    )
+
+
+async def run(args: argparse.Namespace) -> None:
+    config = build_config(args)
+    data = data_dir(args.data_dir)
+    async with bus_session(nats_url_from_env(args.nats), f"gateway:{config.gateway_id}", data) as nc:
+        service = GatewayService(nc, config)
+        async with service.running():
+            runner = web.AppRunner(service.app(), handler_cancellation=True, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, config.host, config.port)
+            await site.start()
+            try:
+                host, port = runner.addresses[0][:2]
+                announce("gateway", f"listening on http://{host}:{port}")
+                await _forever()
+            finally:
+                await runner.cleanup()
+
+
+async def _forever() -> None:
+    import asyncio
+
+    await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="llmgw gateway")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging()
+    run_async_main(lambda: run(args), "gateway")
+
+
+if __name__ == "__main__":
+    main()

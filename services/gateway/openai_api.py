@@ -1,0 +1,234 @@
+"""OpenAI request validation and response shaping. Pure: no I/O, no clock (``created`` is passed in)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from proto import ChatMessage, GenerateRequest, TokenChunk, Usage
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_STOP_SEQUENCES = 4
+
+
+class InvalidRequest(ValueError):
+    """A 400: the message says what is wrong, ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    endpoint: str  # "chat.completions" | "completions"
+    model: str
+    stream: bool
+    include_usage: bool
+    generate: GenerateRequest  # request_id/gateway fields are filled in by the service
+
+
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"'{key}' must be a number", key)
+    if value < lo or value > hi or (lo_open and value == lo):
+        bounds = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise InvalidRequest(f"'{key}' must be in {bounds}, got {value}", key)
+    return float(value)
+
+
+def _int(body: dict[str, Any], key: str, lo: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"'{key}' must be an integer", key)
+    if value < lo:
+        raise InvalidRequest(f"'{key}' must be >= {lo}, got {value}", key)
+    return value
+
+
+def _content_text(content: Any, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"only text content parts are supported ({param}[{i}])", f"{param}[{i}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidRequest(f"'{param}' must be a string or a list of text parts", param)
+
+
+def _messages(body: dict[str, Any]) -> list[ChatMessage]:
+    raw = body.get("messages")
+    if raw is None:
+        raise InvalidRequest("'messages' is required", "messages")
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequest("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = m.get("role")
+        if role not in ROLES:
+            raise InvalidRequest(f"messages[{i}].role must be one of {sorted(ROLES)}", f"messages[{i}].role")
+        name = m.get("name")
+        out.append(
+            ChatMessage(
+                role=role,
+                content=_content_text(m.get("content"), f"messages[{i}].content"),
+                name=name if isinstance(name, str) else None,
+            )
+        )
+    return out
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequest("'stop' must be a non-empty string or an array of them", "stop")
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise InvalidRequest(f"'stop' allows at most {MAX_STOP_SEQUENCES} sequences", "stop")
+    return stop
+
+
+def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a string", "model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("'stream_options' must be an object", "stream_options")
+    include_usage = bool(options.get("include_usage", False))
+    n = body.get("n", 1)
+    if n != 1:
+        raise InvalidRequest("only n=1 is supported", "n")
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidRequest("'seed' must be an integer", "seed")
+    logprobs: int | None = None
+    if endpoint == "chat.completions":
+        messages: list[ChatMessage] | None = _messages(body)
+        prompt = None
+        if body.get("logprobs"):
+            logprobs = _int(body, "top_logprobs", 0) or 0
+    else:
+        messages = None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise InvalidRequest("'prompt' is required and must be a string", "prompt")
+        logprobs = _int(body, "logprobs", 0)
+    generate = GenerateRequest(
+        request_id="",
+        model=model,
+        messages=messages,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=int(_number(body, "top_k", 0, -1, 1_000_000)),
+        seed=seed,
+        stop=_stop(body),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        logprobs=logprobs,
+    )
+    return ParsedRequest(endpoint, model, stream, include_usage, generate)
+
+
+def usage_body(usage: Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def completion_body(
+    parsed: ParsedRequest, response_id: str, created: int, text: str, final: TokenChunk
+) -> dict[str, Any]:
+    body: dict[str, Any]
+    if parsed.endpoint == "chat.completions":
+        body = {
+            "id": response_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": parsed.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": final.finish_reason,
+                }
+            ],
+        }
+    else:
+        body = {
+            "id": response_id,
+            "object": "text_completion",
+            "created": created,
+            "model": parsed.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}],
+        }
+    body["usage"] = usage_body(final.usage)
+    if final.timings is not None:
+        t = final.timings
+        body["timings"] = {
+            "prompt_n": t.prompt_n, "cache_n": t.cache_n, "predicted_n": t.predicted_n,
+            "prompt_ms": t.prompt_ms, "predicted_ms": t.predicted_ms, "ttft": t.ttft_ms,
+        }
+    return body
+
+
+def stream_chunk(
+    parsed: ParsedRequest,
+    response_id: str,
+    created: int,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    if parsed.endpoint == "chat.completions":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": response_id, "object": obj, "created": created, "model": parsed.model, "choices": [choice]}
+
+
+def usage_chunk(parsed: ParsedRequest, response_id: str, created: int, usage: Usage | None) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if parsed.endpoint == "chat.completions" else "text_completion"
+    return {
+        "id": response_id, "object": obj, "created": created, "model": parsed.model,
+        "choices": [], "usage": usage_body(usage),
+    }

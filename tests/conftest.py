@@ -1,0 +1,37 @@
+"""Shared fixtures: a real nats-server per test (port chosen by the server), tiny checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from services.common.bus import connect, ensure_bus
+from services.common.nats_server import EmbeddedNatsServer
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Qwen3 checkpoint with a real BPE tokenizer and chat template."""
+    from services.engine.tiny_checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("models") / "tiny-qwen3", arch="qwen3")
+
+
+@pytest.fixture
+async def nats_server(tmp_path: Path) -> AsyncIterator[EmbeddedNatsServer]:
+    async with EmbeddedNatsServer(tmp_path / "nats") as server:
+        yield server
+
+
+@pytest.fixture
+async def nc(nats_server: EmbeddedNatsServer) -> AsyncIterator[object]:
+    client = await connect(nats_server.url, "test")
+    await ensure_bus(client)
+    try:
+        yield client
+    finally:
+        with contextlib.suppress(Exception):
+            await client.drain()

@@ -1,0 +1,113 @@
+"""The real `llmgw up` as a subprocess: serve a request through it, query the ledger, stop it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _children_of(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+def test_llmgw_up_serves_a_request_records_usage_and_stops_everything(tiny_model: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.common.cli", "up", "--model", str(tiny_model), "--model-id", "tiny",
+         "--port", "0", "--data-dir", str(data)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "llmgw is up." in line:
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(120), "stack did not come up:\n" + "".join(lines[-40:])
+        banner = next(line for line in lines if "llmgw is up." in line)
+        url = banner.split("Gateway: ", 1)[1].split()[0]
+        children = _children_of(proc.pid)
+        assert len(children) >= 5  # nats-server, accounting, telemetry, engine, gateway
+
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=8)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        text = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True)
+            if c.choices
+        )
+        assert isinstance(text, str)
+
+        cli = [sys.executable, "-m", "services.common.cli", "sql", "--data-dir", str(data), "--format", "csv"]
+        deadline = time.monotonic() + 30
+        while True:
+            out = subprocess.run([*cli, "select count(*) as n from requests"], cwd=REPO, env=env,
+                                 capture_output=True, text=True, timeout=60)
+            if out.returncode == 0 and out.stdout.splitlines()[1:] == ["2"]:
+                break
+            assert time.monotonic() < deadline, out.stdout + out.stderr
+            time.sleep(0.2)
+        refused = subprocess.run([*cli, "delete from requests"], cwd=REPO, env=env, capture_output=True,
+                                 text=True, timeout=60)
+        assert refused.returncode != 0 and "only read-only SELECT" in refused.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    reader.join(5)
+    assert proc.returncode == 0, "".join(lines[-30:])
+    leftovers = [pid for pid in children if _alive(pid)]
+    assert leftovers == [], f"processes left running after Ctrl-C: {leftovers}"
+    # After the stack stopped, the ledger is still queryable straight from the file.
+    out = subprocess.run([*cli, "select model, status from requests order by ts"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["model,status", "tiny,ok", "tiny,ok"]
