@@ -9,7 +9,14 @@ from pathlib import Path
 
 from proto import subjects
 from services.common.bus import bus_session, nats_url_from_env
-from services.common.runtime import ConfigError, announce, data_dir, default_worker_id, run_async_main, setup_logging
+from services.common.runtime import (
+    ConfigError,
+    announce,
+    data_dir,
+    default_worker_id,
+    run_async_main,
+    setup_logging,
+)
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.errors import EngineError
@@ -66,7 +73,8 @@ async def run(args: argparse.Namespace) -> None:
         AsyncEngine(core) as engine,
     ):
         worker = BusWorker(nc, engine, worker_config)
-        announce("engine", f"worker {worker_config.worker_id} serving {core.model_id} on {subjects.gen(worker_config.worker_id)}")
+        subject = subjects.gen(worker_config.worker_id)
+        announce("engine", f"worker {worker_config.worker_id} serving {core.model_id} on {subject}")
         await worker.run()
 
 

@@ -8,7 +8,14 @@ import os
 from aiohttp import web
 
 from services.common.bus import bus_session, nats_url_from_env
-from services.common.runtime import ConfigError, announce, data_dir, default_worker_id, run_async_main, setup_logging
+from services.common.runtime import (
+    ConfigError,
+    announce,
+    data_dir,
+    default_worker_id,
+    run_async_main,
+    setup_logging,
+)
 from services.gateway.service import GatewayConfig, GatewayService
 
 DEFAULT_PORT = 8080

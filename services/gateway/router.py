@@ -10,7 +10,8 @@ Load score (docs/architecture.md "Routing"), for the native/NInfer engine kind::
 
 In-flight booking: the gateway counts what it has routed to a worker in this worker session
 (``routed_total``); the heartbeat says how many of this gateway's requests the engine has admitted
-(``admitted_by_gateway[gateway_id]``). Only the difference (routed but not yet seen by the engine) is added to ``running`` before scoring,
+(``admitted_by_gateway[gateway_id]``). Only the difference (routed but not yet seen by the engine)
+is added to ``running`` before scoring,
 so nothing is counted twice.
 """
 

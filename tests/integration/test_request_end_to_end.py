@@ -110,8 +110,9 @@ async def test_no_live_engine_answers_503_with_retry_after(stack: Stack) -> None
     stack.gateway.fleet.workers["w1"].received_s -= 60  # the only worker's heartbeat is now stale
     stack.gateway.config.__dict__  # frozen config stays as is
     # a stale heartbeat is refreshed by the worker within 0.2 s, so assert on the router directly
-    from services.gateway.router import pick_member
     import time
+
+    from services.gateway.router import pick_member
 
     pick = pick_member(stack.gateway.fleet.members_for("tiny"), time.monotonic(), 3.0)
     assert pick.worker_id is None and pick.reason == "no_live_member"
