@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import decimal
 import logging
@@ -15,6 +16,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.client import JetStreamContext
 
 from proto import ProtoDecodeError, UsageRecord, decode, subjects
 from services.accounting.store import LedgerThread, QueryFailed, QueryRejected
@@ -55,18 +57,23 @@ class AccountingService:
         self.stats = AccountingStats()
         self.ledger = LedgerThread(config.db_path)
         self.ingested = asyncio.Event()  # set after every committed batch (tests await it)
+        self._psub: JetStreamContext.PullSubscription | None = None
 
     async def run(self) -> None:
         sql_sub = await self.nc.subscribe(subjects.ACCOUNTING_SQL, cb=self._on_sql)
         try:
             await self._consume_usage()
         finally:
-            await sql_sub.unsubscribe()
+            # Unsubscribe before the connection drains, so the drain does not wait on a pending fetch.
+            for sub in (sql_sub, self._psub):
+                with contextlib.suppress(Exception):
+                    if sub is not None:
+                        await sub.unsubscribe()
             self.ledger.close()
 
     async def _consume_usage(self) -> None:
         js = self.nc.jetstream()
-        psub = await js.pull_subscribe(
+        self._psub = psub = await js.pull_subscribe(
             subjects.USAGE_SUBJECTS,
             durable=USAGE_DURABLE,
             stream=subjects.STREAM_USAGE,
@@ -75,7 +82,13 @@ class AccountingService:
         while True:
             try:
                 msgs = await psub.fetch(self.config.batch_size, timeout=self.config.fetch_timeout_s)
-            except NatsTimeout:
+            except (NatsTimeout, TimeoutError):  # nats-py raises either on an empty fetch
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # bus trouble (reconnecting, …): nothing is acked, so nothing is lost
+                log.warning("usage fetch failed: %s; retrying", exc)
+                await asyncio.sleep(1.0)
                 continue
             await self._ingest(msgs)
 

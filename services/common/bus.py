@@ -65,7 +65,8 @@ async def connect(url: str, name: str) -> Client:
         log.warning("nats error (%s): %s", name, exc)
 
     async def on_disconnect() -> None:
-        log.warning("nats disconnected (%s)", name)
+        # Also called on a deliberate close; a real outage shows as the reconnect that follows.
+        log.info("nats disconnected (%s)", name)
 
     async def on_reconnect() -> None:
         log.info("nats reconnected (%s)", name)

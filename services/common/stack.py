@@ -3,7 +3,8 @@
 Starts an embedded nats-server (unless ``NATS_URL`` is set), then the accounting, telemetry, engine and
 gateway services as child processes, each with its own log prefix. Prints where the gateway listens
 and how to call it once every child has printed its readiness line. Ctrl-C (or SIGTERM) stops every
-child, then the NATS server: nothing is left running. If any child dies, the rest are stopped too.
+child, then the NATS server: nothing is left running. A child that exits on its own is restarted;
+one that keeps exiting (5 times in a minute) stops the whole stack with its name.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from services.common.nats_server import EmbeddedNatsServer, _set_parent_death_signal
@@ -26,6 +28,8 @@ log = logging.getLogger("llmgw.up")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = REPO_ROOT / "models" / "demo"
 DEFAULT_PORT = 8080
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
 
 
 class StackError(RuntimeError):
@@ -137,9 +141,27 @@ async def run(args: argparse.Namespace) -> None:
                                 "pid": os.getpid()})
         stack.callback(lambda: (data / "stack.json").unlink(missing_ok=True))
         print(_banner(gateway_url, model_id, url, data), flush=True)
+        await _supervise(waits)
+
+
+async def _supervise(waits: dict[asyncio.Future[int], Child]) -> None:
+    """Restart a child that exits on its own; give up when one exits 5 times within a minute."""
+    restarts: dict[str, list[float]] = {}
+    while True:
         done, _ = await asyncio.wait(list(waits), return_when=asyncio.FIRST_COMPLETED)
-        dead = waits[next(iter(done))]
-        raise StackError(f"{dead.name} exited (code {dead.proc.returncode}); stopping the stack")  # type: ignore[union-attr]
+        for finished in done:
+            child = waits.pop(finished)
+            now = time.monotonic()
+            recent = [t for t in restarts.get(child.name, []) if now - t < RESTART_WINDOW_S]
+            if len(recent) >= MAX_RESTARTS:
+                raise StackError(f"{child.name} exited {len(recent) + 1} times within a minute "
+                                 f"(last code {finished.result()}); stopping the stack")
+            log.warning("%s exited (code %s); restarting it", child.name, finished.result())
+            await asyncio.sleep(1.0)
+            restarts[child.name] = [*recent, now]
+            await child.start()
+            assert child.proc is not None
+            waits[asyncio.ensure_future(child.proc.wait())] = child
 
 
 def _banner(gateway_url: str, model_id: str, nats_url: str, data: Path) -> str:

@@ -168,7 +168,12 @@ class EngineCore:
             self.kv_cache = KVCache.for_capacity_tokens(spec, config.kv_capacity_tokens + config.block_size,
                                                         self.device)
         else:
+            # From free memory, but no more than every lane at full context twice over (the second
+            # half keeps finished prefixes cached): beyond that, memory buys nothing.
             budget = int(self.free_memory_bytes * config.kv_memory_fraction)
+            context = config.max_context or self.model_config.max_position_embeddings
+            useful_tokens = 2 * config.max_concurrency * context + config.block_size
+            budget = min(budget, useful_tokens * spec.bytes_per_token)
             self.kv_cache = KVCache.for_byte_budget(spec, budget, self.device)
         self.kv_capacity_tokens = (self.kv_cache.num_blocks - 1) * config.block_size
         model_limit = self.model_config.max_position_embeddings

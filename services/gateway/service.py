@@ -320,7 +320,7 @@ class GatewayService:
             await self.nc.publish(subjects.gen(worker_id), encode(generate), reply=inbox)
             try:
                 msg = await sub.next_msg(timeout=self.config.first_chunk_timeout_s)
-            except NatsTimeout:
+            except (NatsTimeout, TimeoutError):
                 raise WorkerUnavailable(worker_id, "silent past the first-chunk deadline") from None
             if msg.headers and msg.headers.get("Status") == "503":
                 raise WorkerUnavailable(worker_id, "no responder on its subject")
@@ -344,7 +344,7 @@ class GatewayService:
         while not chunk.is_final:
             try:
                 msg = await sub.next_msg(timeout=self.config.chunk_timeout_s)
-            except NatsTimeout:
+            except (NatsTimeout, TimeoutError):
                 raise HTTPError(503, "the engine stopped responding mid-request", code="upstream_timeout",
                                 retry_after_s=5) from None
             chunk = decode(msg.data, TokenChunk)
