@@ -28,9 +28,9 @@ from proto import (
     encode,
     subjects,
 )
+from services.common import openai_api, openai_stream
 from services.common.http import HTTPError, error_middleware, read_json_object
 from services.common.runtime import new_session_id
-from services.gateway import openai_api
 from services.gateway.fleet import Fleet
 from services.gateway.router import Pick, pick_member
 
@@ -74,14 +74,6 @@ class _Outcome:
     usage: Usage | None = None
     ttft_ms: float | None = None
     routing_reason: str = ""
-
-
-def _http_error(chunk: TokenChunk) -> HTTPError:
-    err = chunk.error
-    assert err is not None
-    return HTTPError(
-        err.status, err.message, code=err.code, param=err.param, type=err.type, retry_after_s=err.retry_after_s
-    )
 
 
 @dataclass
@@ -293,10 +285,21 @@ class GatewayService:
                     raise exc.error from None
                 continue
             outcome.worker_id = worker_id
+
+            def on_final(chunk: TokenChunk, ttft_ms: float | None) -> None:
+                outcome.finish_reason, outcome.usage, outcome.ttft_ms = chunk.finish_reason, chunk.usage, ttft_ms
+                if chunk.error is not None:
+                    outcome.status, outcome.http_status = "error", chunk.error.status
+                    outcome.error_code = chunk.error.code
+                elif chunk.finish_reason == "abort":
+                    outcome.status = "aborted"
+
+            def on_error(err: HTTPError) -> None:
+                outcome.status, outcome.http_status, outcome.error_code = "error", err.status, err.code
+
             try:
-                if parsed.stream:
-                    return await self._stream(request, parsed, request_id, sub, first, outcome)
-                return await self._collect(parsed, request_id, sub, first, outcome)
+                return await openai_stream.respond(request, parsed, request_id, self._chunks(sub, first),
+                                                   on_final, on_error)
             except (asyncio.CancelledError, ConnectionResetError):
                 # The client went away: stop the engine's work too.
                 with contextlib.suppress(Exception):
@@ -329,7 +332,7 @@ class GatewayService:
             except ProtoDecodeError as exc:
                 raise WorkerUnavailable(worker_id, exc.reason) from None
             if first.error is not None:
-                raise WorkerUnavailable(worker_id, first.error.message, _http_error(first))
+                raise WorkerUnavailable(worker_id, first.error.message, openai_stream.chunk_error(first))
             return sub, first
         except BaseException:
             self.fleet.release(worker_id)
@@ -354,73 +357,3 @@ class GatewayService:
             expected += 1
             yield chunk
 
-    def _finish(self, chunk: TokenChunk, outcome: _Outcome, started: float, ttft_ms: float | None) -> None:
-        outcome.finish_reason = chunk.finish_reason
-        outcome.usage = chunk.usage
-        outcome.ttft_ms = ttft_ms
-        if chunk.error is not None:
-            outcome.status, outcome.http_status, outcome.error_code = "error", chunk.error.status, chunk.error.code
-        elif chunk.finish_reason == "abort":
-            outcome.status = "aborted"
-
-    async def _collect(self, parsed: openai_api.ParsedRequest, request_id: str, sub: Subscription,
-                       first: TokenChunk, outcome: _Outcome) -> web.Response:
-        started = time.monotonic()
-        parts: list[str] = []
-        ttft_ms: float | None = None
-        async for chunk in self._chunks(sub, first):
-            if chunk.text and ttft_ms is None:
-                ttft_ms = (time.monotonic() - started) * 1000.0
-            parts.append(chunk.text)
-            if chunk.is_final:
-                self._finish(chunk, outcome, started, ttft_ms)
-                if chunk.error is not None:
-                    raise _http_error(chunk)
-                body = openai_api.completion_body(
-                    parsed, _response_id(parsed, request_id), int(time.time()), "".join(parts), chunk
-                )
-                return web.Response(body=_json.encode(body), content_type="application/json")
-        raise HTTPError(503, "the engine ended the reply without a final chunk", code="upstream_gap")
-
-    async def _stream(self, request: web.Request, parsed: openai_api.ParsedRequest, request_id: str,
-                      sub: Subscription, first: TokenChunk, outcome: _Outcome) -> web.StreamResponse:
-        started = time.monotonic()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Request-Id": request_id})
-        await response.prepare(request)
-        rid, created = _response_id(parsed, request_id), int(time.time())
-
-        async def send(obj: Any) -> None:
-            await response.write(b"data: " + _json.encode(obj) + b"\n\n")
-
-        ttft_ms: float | None = None
-        if parsed.endpoint == "chat.completions":
-            await send(openai_api.stream_chunk(parsed, rid, created, role=True, text=""))
-        try:
-            async for chunk in self._chunks(sub, first):
-                if chunk.text:
-                    if ttft_ms is None:
-                        ttft_ms = (time.monotonic() - started) * 1000.0
-                    await send(openai_api.stream_chunk(parsed, rid, created, text=chunk.text))
-                if chunk.is_final:
-                    self._finish(chunk, outcome, started, ttft_ms)
-                    if chunk.error is not None:
-                        err = chunk.error
-                        await send({"error": {"message": err.message, "type": err.type, "code": err.code,
-                                              "param": err.param}})
-                    else:
-                        await send(openai_api.stream_chunk(parsed, rid, created, finish_reason=chunk.finish_reason))
-                        if parsed.include_usage:
-                            await send(openai_api.usage_chunk(parsed, rid, created, chunk.usage))
-        except HTTPError as err:
-            # Headers are gone already: end the stream with an error event instead of a status code.
-            outcome.status, outcome.http_status, outcome.error_code = "error", err.status, err.code
-            await send({"error": {"message": err.message, "type": err.type, "code": err.code, "param": None}})
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
-
-
-def _response_id(parsed: openai_api.ParsedRequest, request_id: str) -> str:
-    prefix = "chatcmpl" if parsed.endpoint == "chat.completions" else "cmpl"
-    return f"{prefix}-{request_id.removeprefix('req-')}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from proto import ChatMessage, GenerateRequest, TokenChunk, Usage
+from proto import ChatMessage, GenerateRequest, Timings, TokenChunk, Usage
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES = 4
@@ -195,12 +195,18 @@ def completion_body(
         }
     body["usage"] = usage_body(final.usage)
     if final.timings is not None:
-        t = final.timings
-        body["timings"] = {
-            "prompt_n": t.prompt_n, "cache_n": t.cache_n, "predicted_n": t.predicted_n,
-            "prompt_ms": t.prompt_ms, "predicted_ms": t.predicted_ms, "ttft": t.ttft_ms,
-        }
+        body["timings"] = timings_body(final.timings)
     return body
+
+
+def timings_body(t: Timings) -> dict[str, Any]:
+    """llama.cpp-style timings (milliseconds) as clients of llama.cpp and NInfer read them."""
+    return {
+        "prompt_n": t.prompt_n, "cache_n": t.cache_n, "predicted_n": t.predicted_n,
+        "prompt_ms": t.prompt_ms, "predicted_ms": t.predicted_ms, "ttft": t.ttft_ms,
+        "prompt_per_second": t.prompt_n / t.prompt_ms * 1000.0 if t.prompt_ms > 0 else None,
+        "predicted_per_second": t.predicted_n / t.predicted_ms * 1000.0 if t.predicted_ms > 0 else None,
+    }
 
 
 def stream_chunk(

@@ -1,0 +1,109 @@
+"""Write a stream of TokenChunks as an OpenAI response: one JSON body, or SSE.
+
+Shared by the gateway (chunks arrive over the bus) and the engine's own HTTP face (chunks come from the
+local engine), so both speak exactly the same OpenAI dialect.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from proto import TokenChunk
+from services.common import openai_api
+from services.common.http import HTTPError
+
+_json = msgspec.json.Encoder()
+
+# Called once with the final chunk and the time to the first text (ms), before the response ends.
+OnFinal = Callable[[TokenChunk, float | None], None]
+# Called when the stream fails after its headers were sent (the client gets an SSE error event).
+OnError = Callable[[HTTPError], None]
+
+
+def chunk_error(chunk: TokenChunk) -> HTTPError:
+    err = chunk.error
+    assert err is not None
+    return HTTPError(err.status, err.message, code=err.code, param=err.param, type=err.type,
+                     retry_after_s=err.retry_after_s)
+
+
+def response_id(parsed: openai_api.ParsedRequest, request_id: str) -> str:
+    prefix = "chatcmpl" if parsed.endpoint == "chat.completions" else "cmpl"
+    return f"{prefix}-{request_id.removeprefix('req-')}"
+
+
+async def respond(request: web.Request, parsed: openai_api.ParsedRequest, request_id: str,
+                  chunks: AsyncIterator[TokenChunk], on_final: OnFinal, on_error: OnError) -> web.StreamResponse:
+    if parsed.stream:
+        return await _stream(request, parsed, request_id, chunks, on_final, on_error)
+    return await _collect(parsed, request_id, chunks, on_final)
+
+
+async def _collect(parsed: openai_api.ParsedRequest, request_id: str, chunks: AsyncIterator[TokenChunk],
+                   on_final: OnFinal) -> web.Response:
+    started = time.monotonic()
+    parts: list[str] = []
+    ttft_ms: float | None = None
+    async for chunk in chunks:
+        if chunk.text and ttft_ms is None:
+            ttft_ms = (time.monotonic() - started) * 1000.0
+        parts.append(chunk.text)
+        if chunk.is_final:
+            on_final(chunk, ttft_ms)
+            if chunk.error is not None:
+                raise chunk_error(chunk)
+            body = openai_api.completion_body(
+                parsed, response_id(parsed, request_id), int(time.time()), "".join(parts), chunk
+            )
+            return web.Response(body=_json.encode(body), content_type="application/json",
+                                headers={"X-Request-Id": request_id})
+    raise HTTPError(503, "the engine ended the reply without a final chunk", code="upstream_gap")
+
+
+def _error_event(err: HTTPError) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": err.type, "code": err.code, "param": err.param}}
+
+
+async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, request_id: str,
+                  chunks: AsyncIterator[TokenChunk], on_final: OnFinal, on_error: OnError) -> web.StreamResponse:
+    started = time.monotonic()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": request_id})
+    await response.prepare(request)
+    rid, created = response_id(parsed, request_id), int(time.time())
+
+    async def send(obj: Any) -> None:
+        await response.write(b"data: " + _json.encode(obj) + b"\n\n")
+
+    ttft_ms: float | None = None
+    if parsed.endpoint == "chat.completions":
+        await send(openai_api.stream_chunk(parsed, rid, created, role=True, text=""))
+    try:
+        async for chunk in chunks:
+            if chunk.text:
+                if ttft_ms is None:
+                    ttft_ms = (time.monotonic() - started) * 1000.0
+                await send(openai_api.stream_chunk(parsed, rid, created, text=chunk.text))
+            if chunk.is_final:
+                on_final(chunk, ttft_ms)
+                if chunk.error is not None:
+                    await send(_error_event(chunk_error(chunk)))
+                else:
+                    final = openai_api.stream_chunk(parsed, rid, created, finish_reason=chunk.finish_reason)
+                    if chunk.timings is not None:
+                        final["timings"] = openai_api.timings_body(chunk.timings)
+                    await send(final)
+                    if parsed.include_usage:
+                        await send(openai_api.usage_chunk(parsed, rid, created, chunk.usage))
+    except HTTPError as err:
+        # The status line is gone already: end the stream with an error event instead.
+        on_error(err)
+        await send(_error_event(err))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
