@@ -120,7 +120,7 @@ def bench_transformers(shape: Shape, path: Path, prompts: list[list[int]], bar: 
         n = shape.num_sequential_prompts if batch_size == 1 else shape.num_prompts
         subset = prompts[:n]
         hf_generate(model, subset[:batch_size], batch_size)  # warm-up
-        seconds = timed(lambda subset=subset, b=batch_size: hf_generate(model, subset, b))
+        seconds = timed(lambda m=model, subset=subset, b=batch_size: hf_generate(m, subset, b))
         rows.append(Row(shape.name, "transformers", batch_size, n, seconds))
         bar.update()
     del model

@@ -122,7 +122,7 @@ async def run(args: argparse.Namespace) -> None:
         children = [
             Child("accounting", [*py, "services.accounting"], env),
             Child("telemetry", [*py, "services.telemetry"], env),
-            Child("engine", [*py, "services.engine", str(model), "--model-id", model_id], env),
+            Child("engine", [*py, "services.engine", str(model), "--model-id", model_id, "--port", "0"], env),
             Child("gateway", [*py, "services.gateway", "--host", args.host, "--port", str(args.port)], env),
         ]
         for child in reversed(children):  # stop in reverse: gateway first, accounting last

@@ -1,14 +1,21 @@
-"""``llmgw engine MODEL_PATH``: load the model, join the bus as a worker, serve until stopped."""
+"""``ninfer-serve MODEL_PATH [flags]`` (also ``llmgw engine``): load the model, serve the OpenAI API and
+the telemetry endpoints over HTTP, and with ``--nats`` (or ``NATS_URL``) join the bus as a worker.
+
+Accepts the runbook's command line verbatim (shared/reference/interop.md). Flags whose feature is not
+built yet stop the start with a message saying so; none is silently ignored.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 from pathlib import Path
 
 from proto import subjects
-from services.common.bus import bus_session, nats_url_from_env
+from services.common.bus import connect, ensure_bus
 from services.common.runtime import (
     ConfigError,
     announce,
@@ -17,69 +24,118 @@ from services.common.runtime import (
     run_async_main,
     setup_logging,
 )
+from services.engine.artifact import materialize
 from services.engine.async_engine import AsyncEngine
+from services.engine.energy import detect_meter
 from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.errors import EngineError
+from services.engine.service import EngineService, ServeConfig, http_site
 from services.engine.worker import BusWorker, WorkerConfig
 
-log = logging.getLogger("llmgw.engine")
+log = logging.getLogger("ninfer.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_path", help="HF checkpoint directory (config.json, *.safetensors, tokenizer.json)")
-    parser.add_argument("--model-id", help="the name clients use (default: the directory's name)")
-    parser.add_argument("--worker-id", help="bus worker id (default: engine-<host>-<pid>)")
-    parser.add_argument("--nats", help="NATS URL (default: $NATS_URL, else an embedded server)")
-    parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
-    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    parser.add_argument("model_path", help="HF checkpoint directory, or a single-file .ninfer artifact")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8006, help="HTTP port (default 8006; 0 picks a free one)")
+    parser.add_argument("--model-id", help="the name clients use (default: the model's file or directory name)")
+    parser.add_argument("--max-context", type=int, help="per-request limit on prompt + max_tokens")
+    parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="KV cache storage dtype")
     parser.add_argument("--max-concurrency", type=int, default=8, help="lanes: requests running at once")
     parser.add_argument("--max-pending-requests", type=int, default=64, help="bounded waiting queue")
-    parser.add_argument("--max-context", type=int, help="per-request limit on prompt + max_tokens")
     parser.add_argument("--kv-capacity", type=int, help="KV cache size in tokens (default: from free memory)")
-    parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto")
-    parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
+    parser.add_argument("--spec", choices=["none", "ngram", "draft", "mtp"], default="none",
+                        help="speculative decoding method")
+    parser.add_argument("--draft-tokens", type=int, help="draft tokens per speculative step (1..15)")
+    parser.add_argument("--lm-head-draft", action="store_true", help="share the main LM head for draft logits")
     parser.add_argument("--preserve-thinking", action="store_true",
                         help="keep <think> blocks of earlier assistant turns in the prompt")
+    parser.add_argument("--electricity-rate", type=float, default=0.125, help="USD per kWh for /usage costs")
+    parser.add_argument("--metrics-state", type=Path, help="file that persists token totals and daily energy")
+    parser.add_argument("--api-key", default=os.environ.get("NINFER_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (also $NINFER_API_KEY)")
+    parser.add_argument("--nats", help="join the bus as a worker at this NATS URL (also $NATS_URL)")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    parser.add_argument("--worker-id", help="bus worker id (default: engine-<host>-<pid>)")
+    parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
+    parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between bus heartbeats")
+    parser.add_argument("--energy-interval", type=float, default=5.0, help="seconds between energy samples")
 
 
-def build_config(args: argparse.Namespace) -> tuple[EngineConfig, WorkerConfig]:
-    path = Path(args.model_path)
-    for key in ("max_concurrency", "max_pending_requests"):
-        if getattr(args, key) < (1 if key == "max_concurrency" else 0):
-            raise ConfigError(key.replace("_", "-"), f"out of range: {getattr(args, key)}")
+def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, WorkerConfig]:
+    if args.spec != "none" or args.draft_tokens is not None or args.lm_head_draft:
+        raise ConfigError("spec", "speculative decoding (--spec/--draft-tokens/--lm-head-draft) is not built "
+                                  "yet (issue #11): start without these flags")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise ConfigError("device", f"expected cpu or cuda[:N], got {args.device!r}")
+    for key, low in (("max_concurrency", 1), ("max_pending_requests", 0), ("max_context", 1), ("kv_capacity", 1)):
+        value = getattr(args, key)
+        if value is not None and value < low:
+            raise ConfigError(key.replace("_", "-"), f"must be >= {low}, got {value}")
+    if args.kv_capacity is not None and args.max_context is not None and args.kv_capacity < args.max_context:
+        raise ConfigError("kv-capacity", f"{args.kv_capacity} tokens cannot hold one --max-context "
+                                         f"{args.max_context} request: raise it or lower --max-context")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError("port", f"must be 0..65535, got {args.port}")
+    if args.electricity_rate < 0:
+        raise ConfigError("electricity-rate", "must be >= 0")
     if not 0.1 <= args.heartbeat_interval <= 10:
         raise ConfigError("heartbeat-interval", "must be between 0.1 and 10 seconds")
+    if args.energy_interval < 0.5:
+        raise ConfigError("energy-interval", "must be >= 0.5 seconds")
     worker_id = args.worker_id or default_worker_id("engine")
     try:
         subjects.check_id(worker_id)
     except ValueError as exc:
         raise ConfigError("worker-id", str(exc)) from None
+    path = Path(args.model_path)
+    if path.is_file():
+        path = materialize(path, data_dir(args.data_dir) / "ninfer-cache")
+    model_id = args.model_id or Path(args.model_path).stem
     engine = EngineConfig(
-        model_path=path, model_id=args.model_id, dtype=args.dtype, device=args.device, kv_dtype=args.kv_dtype,
+        model_path=path, model_id=model_id, dtype=args.dtype, device=args.device, kv_dtype=args.kv_dtype,
         kv_capacity_tokens=args.kv_capacity, max_concurrency=args.max_concurrency,
         max_pending_requests=args.max_pending_requests, max_context=args.max_context,
         preserve_thinking=args.preserve_thinking,
     )
-    return engine, WorkerConfig(worker_id=worker_id, heartbeat_interval_s=args.heartbeat_interval)
+    serve = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or None,
+                        electricity_rate_usd_per_kwh=args.electricity_rate, metrics_state=args.metrics_state,
+                        energy_interval_s=args.energy_interval)
+    return engine, serve, WorkerConfig(worker_id=worker_id, heartbeat_interval_s=args.heartbeat_interval)
 
 
 async def run(args: argparse.Namespace) -> None:
-    engine_config, worker_config = build_config(args)
+    engine_config, serve_config, worker_config = build_config(args)
     core = await asyncio.to_thread(EngineCore, engine_config)
     log.info("%s", core.describe())
-    async with (
-        bus_session(nats_url_from_env(args.nats), f"engine:{worker_config.worker_id}", data_dir(args.data_dir)) as nc,
-        AsyncEngine(core) as engine,
-    ):
-        worker = BusWorker(nc, engine, worker_config)
-        subject = subjects.gen(worker_config.worker_id)
-        announce("engine", f"worker {worker_config.worker_id} serving {core.model_id} on {subject}")
-        await worker.run()
+    meter = detect_meter(engine_config.device)
+    log.info("energy: %s", meter.describe())
+    nats_url = args.nats or os.environ.get("NATS_URL")
+    async with contextlib.AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(AsyncEngine(core))
+        service = EngineService(engine, meter, serve_config, worker_id=worker_config.worker_id)
+        stack.callback(meter.close)
+        stack.callback(service.save_metrics_state)  # at shutdown, after requests stopped
+        async with asyncio.TaskGroup() as tasks:
+            url = await stack.enter_async_context(http_site(service))
+            where = f"listening on {url} (model {core.model_id})"
+            if nats_url:
+                nc = await connect(nats_url, f"engine:{worker_config.worker_id}")
+                stack.push_async_callback(nc.drain)
+                await ensure_bus(nc)
+                service.nc = nc
+                worker = BusWorker(nc, engine, worker_config)
+                tasks.create_task(worker.run())
+                where += f"; bus worker {worker_config.worker_id} on {subjects.gen(worker_config.worker_id)}"
+            tasks.create_task(service.energy_loop())
+            tasks.create_task(service.metrics_state_loop())
+            announce("engine", where)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="llmgw engine")
+    parser = argparse.ArgumentParser(prog="ninfer-serve", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging()

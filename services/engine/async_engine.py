@@ -77,6 +77,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._listeners: list[Callable[[], None]] = []
+        self._output_listeners: list[Callable[[list[RequestOutput]], None]] = []
         self._snapshot: EngineSnapshot = core.snapshot(clock())
         self._snapshot_lock = threading.Lock()
         self.step_error: BaseException | None = None
@@ -94,6 +95,10 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+
+    def on_outputs(self, callback: Callable[[list[RequestOutput]], None]) -> None:
+        """``callback`` runs on the event loop with every step's outputs (telemetry, energy attribution)."""
+        self._output_listeners.append(callback)
 
     def on_change(self, callback: Callable[[], None]) -> None:
         """``callback`` runs on the event loop after any step that changed the scheduler's state."""
@@ -181,6 +186,9 @@ class AsyncEngine:
                         self._loop.call_soon_threadsafe(self._deliver, [output], True)
 
     def _deliver(self, outputs: list[RequestOutput], changed: bool) -> None:
+        if outputs:
+            for listener in self._output_listeners:
+                listener(outputs)
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:

@@ -38,10 +38,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x))`` over the last dim, computed in float32 and cast back (transformers' order).
+
+    In float32 this is one fused ``F.rms_norm`` call, bit-identical to the six-op form below (checked over
+    the bench shapes) and one dispatch instead of six: a tiny model's decode step runs ~40 norms.
+    """
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -68,14 +78,15 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, H, D]``; ``cos``/``signed_sin`` ``[T, 1, D]`` in x's dtype.
 
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[T, H, D]``; ``cos``/``sin`` ``[T, 1, D]`` in x's dtype."""
-    return x * cos + _rotate_half(x) * sin
+    transformers computes ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``. The
+    sign is folded into ``signed_sin = cat(-sin1, sin2)`` once per step, so here the rotation is a plain
+    roll: ``(-a) * b == a * (-b)`` exactly in IEEE arithmetic, so the result is bit-identical, in 4 ops
+    instead of 7.
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -100,7 +111,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        signed_sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
         backend: AttentionBackend,
@@ -111,8 +122,9 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            q = rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = _apply_rope(q, cos, signed_sin), _apply_rope(k, cos, signed_sin)
         o = backend.forward(self.layer_idx, q, k, v, meta, kv_cache)
         return F.linear(o.reshape(num_tokens, -1), self.o_weight, self.o_bias)
 
@@ -144,15 +156,17 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        signed_sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        attn_out: torch.Tensor = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend)
-        x = x + attn_out
-        mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
-        return x + mlp_out
+        # Sub-modules are called through .forward: nn.Module.__call__ costs a few us of hook checks per
+        # call, and a decode step of a tiny model is made of such microseconds.
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        attn_in = rms_norm(x, norm1.weight, norm1.eps)
+        x = x + self.self_attn.forward(attn_in, cos, signed_sin, meta, kv_cache, backend)
+        return x + self.mlp.forward(rms_norm(x, norm2.weight, norm2.eps))
 
 
 class CausalLM(nn.Module):
@@ -199,10 +213,11 @@ class CausalLM(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # see _apply_rope
         for layer in self.layers:
-            x = layer(x, cos, sin, meta, kv_cache, self.attention)
-        hidden: torch.Tensor = self.norm(x)
-        return hidden
+            x = layer.forward(x, cos, signed_sin, meta, kv_cache, self.attention)
+        return rms_norm(x, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` → logits ``[N, vocab_size]`` in float32."""

@@ -31,7 +31,7 @@ from proto import (
 )
 from services.common.runtime import new_session_id
 from services.engine.async_engine import AsyncEngine
-from services.engine.engine_core import RequestOutput
+from services.engine.engine_core import EngineCore, RequestOutput
 from services.engine.errors import (
     ContextLengthExceededError,
     EngineError,
@@ -186,42 +186,47 @@ class BusWorker:
         await self.nc.publish(inbox, encode(chunk))
 
     async def _serve(self, req: GenerateRequest, inbox: str) -> None:
-        core = self.engine.core
-        index = 0
         try:
-            if req.messages is not None:
-                prompt_ids = core.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
-            else:
-                prompt_ids = core.encode_prompt(req.prompt or "")
-            params = sampling_params(req, core.max_context, len(prompt_ids))
+            prompt_ids, params = prepare_request(self.engine.core, req)
             stream = await self.engine.add_request(req.request_id, prompt_ids, params, source=req.gateway_id)
         except (EngineError, ValueError) as exc:
             await self._reply(inbox, TokenChunk(request_id=req.request_id, index=0, finish_reason="error",
                                                 error=error_info(exc), worker_id=self.config.worker_id))
             return
         await self._reply(inbox, TokenChunk(request_id=req.request_id, index=0, worker_id=self.config.worker_id))
+        index = 0
         try:
             async for output in stream:
                 index += 1
-                await self._reply(inbox, self._chunk(req.request_id, index, output))
-        except asyncio.CancelledError:
-            stream.close()
-            raise
+                await self._reply(inbox, output_chunk(req.request_id, index, output, self.config.worker_id))
+        finally:
+            stream.close()  # cancelled (client gone, shutdown): abort in the engine, free its blocks
 
-    def _chunk(self, request_id: str, index: int, output: RequestOutput) -> TokenChunk:
-        if not output.finished:
-            return TokenChunk(request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids))
-        t = output.timings
-        return TokenChunk(
-            request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids),
-            finish_reason=output.finish_reason,  # type: ignore[arg-type]
-            usage=Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
-                        cached_tokens=output.num_cached_tokens),
-            timings=Timings(
-                prompt_n=output.num_prompt_tokens - output.num_cached_tokens, cache_n=output.num_cached_tokens,
-                predicted_n=output.num_output_tokens, prompt_ms=t.prompt_ms if t else 0.0,
-                predicted_ms=t.predicted_ms if t else 0.0, queue_ms=t.queue_ms if t else 0.0,
-                ttft_ms=t.ttft_ms if t else None,
-            ),
-            worker_id=self.config.worker_id,
-        )
+
+def prepare_request(core: EngineCore, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
+    """Prompt token ids (chat template applied) and sampling params; raises the engine's typed errors."""
+    if req.messages is not None:
+        prompt_ids = core.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
+    else:
+        prompt_ids = core.encode_prompt(req.prompt or "")
+    return prompt_ids, sampling_params(req, core.max_context, len(prompt_ids))
+
+
+def output_chunk(request_id: str, index: int, output: RequestOutput, worker_id: str) -> TokenChunk:
+    """One engine output as a TokenChunk; the final one carries usage and llama.cpp-style timings."""
+    if not output.finished:
+        return TokenChunk(request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids))
+    t = output.timings
+    return TokenChunk(
+        request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids),
+        finish_reason=output.finish_reason,  # type: ignore[arg-type]
+        usage=Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
+                    cached_tokens=output.num_cached_tokens),
+        timings=Timings(
+            prompt_n=output.num_prompt_tokens - output.num_cached_tokens, cache_n=output.num_cached_tokens,
+            predicted_n=output.num_output_tokens, prompt_ms=t.prompt_ms if t else 0.0,
+            predicted_ms=t.predicted_ms if t else 0.0, queue_ms=t.queue_ms if t else 0.0,
+            ttft_ms=t.ttft_ms if t else None,
+        ),
+        worker_id=worker_id,
+    )

@@ -1,0 +1,100 @@
+"""Prometheus text exposition (format 0.0.4) and the engine's request histograms. Pure: no clock.
+
+The engine exposes three families of names at once so existing dashboards read it unchanged:
+``vllm:*`` (vLLM dashboards, our telemetry's vLLM scraper), ``llamacpp:*`` (the existing gateway and
+llama.cpp tooling) and ``ninfer:*`` (the NInfer fork's extras).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram; ``observe`` in seconds."""
+
+    buckets: Sequence[float]
+    counts: list[int] = field(init=False)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.buckets, value)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(labels: Mapping[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _number(value: float) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+class PromText:
+    """Builds one exposition; each metric family is declared once with HELP and TYPE."""
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+        self._declared: set[str] = set()
+
+    def _declare(self, name: str, kind: str, help_text: str) -> None:
+        if name not in self._declared:
+            self._declared.add(name)
+            self._lines.append(f"# HELP {name} {help_text}")
+            self._lines.append(f"# TYPE {name} {kind}")
+
+    def gauge(self, name: str, help_text: str, value: float | None, labels: Mapping[str, str] = {}) -> None:
+        if value is None:  # unknown is absent, never a made-up 0
+            return
+        self._declare(name, "gauge", help_text)
+        self._lines.append(f"{name}{_labels(labels)} {_number(value)}")
+
+    def counter(self, name: str, help_text: str, value: float | None, labels: Mapping[str, str] = {}) -> None:
+        """``name`` ends in ``_total``; the family is declared under the same name."""
+        if value is None:
+            return
+        self._declare(name, "counter", help_text)
+        self._lines.append(f"{name}{_labels(labels)} {_number(value)}")
+
+    def histogram(self, name: str, help_text: str, hist: Histogram, labels: Mapping[str, str] = {}) -> None:
+        self._declare(name, "histogram", help_text)
+        cumulative = 0
+        for bound, n in zip(hist.buckets, hist.counts, strict=True):
+            cumulative += n
+            self._lines.append(f"{name}_bucket{_labels({**labels, 'le': _number(float(bound))})} {cumulative}")
+        self._lines.append(f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {hist.count}")
+        self._lines.append(f"{name}_sum{_labels(labels)} {_number(hist.total)}")
+        self._lines.append(f"{name}_count{_labels(labels)} {hist.count}")
+
+    def render(self) -> str:
+        return "\n".join(self._lines) + "\n"
