@@ -25,6 +25,26 @@ from torch import nn
 from services.engine.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
 from services.engine.model_config import ModelConfig
 
+# oneDNN's fp32 GEMM (the kernel inductor picks on CPU) against MKL's, which F.linear calls: on the bench
+# machine (AMD EPYC, 2 cores) oneDNN is 1.5-2.8x faster for every step-sized shape except one-row products
+# with small weights, where its fixed cost loses (7 us vs 16 us for 1 x 256 x 512). Table in
+# docs/benchmarks.md. Bench shapes: tiny decode at 32 rows 157 us -> 85 us (gate/up), lm_head 948 -> 401 us.
+_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+_ONEDNN_MIN_MACS = 1 << 20  # rows * out * in at which oneDNN starts to win
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a 2-D ``x``, through oneDNN where that is faster (float32 on CPU, big enough)."""
+    if (
+        _ONEDNN_LINEAR is not None
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.shape[0] * weight.shape[0] * weight.shape[1] >= _ONEDNN_MIN_MACS
+    ):
+        out: torch.Tensor = _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+        return out
+    return F.linear(x, weight, bias)
+
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     # Weights are filled by the loader; inference never needs gradients.
@@ -117,7 +137,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = torch.split(F.linear(x, self.qkv_weight, self.qkv_bias), self.split_sizes, dim=-1)
+        q, k, v = torch.split(linear(x, self.qkv_weight, self.qkv_bias), self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -126,7 +146,7 @@ class Attention(nn.Module):
             k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         q, k = _apply_rope(q, cos, signed_sin), _apply_rope(k, cos, signed_sin)
         o = backend.forward(self.layer_idx, q, k, v, meta, kv_cache)
-        return F.linear(o.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+        return linear(o.reshape(num_tokens, -1), self.o_weight, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -140,8 +160,8 @@ class MLP(nn.Module):
         self.down_weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_weight)
 
 
 class DecoderLayer(nn.Module):
@@ -221,4 +241,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` → logits ``[N, vocab_size]`` in float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
 import pytest
@@ -128,3 +130,21 @@ def test_ledger_insert_is_idempotent_by_request_id(tmp_path) -> None:  # type: i
     assert ledger.insert_usage([rec]) == 0
     assert ledger.query("select count(*), sum(output_tokens) from requests")[1] == [(1, 4)]
     ledger.close()
+
+
+async def test_a_stopping_worker_says_so_in_a_final_heartbeat(stack: Stack) -> None:
+    from proto import SlotHeartbeat, decode, subjects
+
+    seen: list[SlotHeartbeat] = []
+
+    async def collect(msg) -> None:  # type: ignore[no-untyped-def]
+        seen.append(decode(msg.data, SlotHeartbeat))
+
+    watcher = await stack.gateway.nc.subscribe(subjects.heartbeat("w1"), cb=collect)
+    run = asyncio.create_task(stack.worker.run())  # a second run loop we can stop on its own
+    await wait_for(lambda: len(seen) >= 2)
+    assert all(hb.lanes == 4 and hb.state == "ready" for hb in seen)
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    await wait_for(lambda: seen[-1].state == "stopped")
+    await watcher.unsubscribe()
