@@ -97,7 +97,7 @@ def test_prefix_cache_hits_do_not_change_tokens(checkpoint: Path, reference) -> 
 def test_forced_preemption_recomputes_to_the_same_tokens(checkpoint: Path, reference) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(20)] for _ in range(4)]
-    # 4 requests × (20 + 12) tokens = 128 tokens of KV needed; only 64 fit (16 blocks of 4).
+    # 4 requests x (20 + 12) tokens = 128 tokens of KV needed; only 64 fit (16 blocks of 4).
     core = EngineCore(EngineConfig(model_path=checkpoint, kv_capacity_tokens=64, block_size=4,
                                    max_concurrency=4, enable_prefix_caching=False))
     got = run_staggered(core, prompts, arrivals=[0, 0, 0, 0])

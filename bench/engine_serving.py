@@ -1,0 +1,173 @@
+"""Serving benchmark: N concurrent streaming clients against a real `ninfer-serve` process.
+
+Reports TTFT p50/p99, inter-token latency p50/p99, output tok/s, and the ratio of served throughput to
+the offline engine's throughput on the same prompts in the same run (target >= 0.8: the HTTP/SSE layer
+must not be the bottleneck). The model is issue #3's tiny Qwen3 shape (hidden 256, 4 layers, 8/4 heads,
+vocab 8192) with random weights, written into a temporary directory.
+
+    .venv/bin/python bench/engine_serving.py [--concurrency 1,8,32] [--num-prompts 64] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from services.engine.llm import LLM, greedy  # noqa: E402
+from services.engine.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+
+TINY = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=768, vocab_size=8192)
+
+
+@dataclass
+class Run:
+    concurrency: int
+    tok_s: float
+    ttft_ms: list[float]
+    itl_ms: list[float]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def make_prompts(model_dir: Path, n: int, seed: int) -> list[str]:
+    from services.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        ids = [rng.randrange(3, tok.vocab_size - 2) for _ in range(rng.randint(64, 256))]
+        prompts.append(tok.decode(ids))
+    return prompts
+
+
+async def one_stream(http: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int,
+                     ttft: list[float], itl: list[float]) -> int:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last = None
+    tokens = 0
+    async with http.post(url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if not chunk["choices"] or not chunk["choices"][0]["text"]:
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                continue
+            now = time.perf_counter()
+            if last is None:
+                ttft.append((now - start) * 1000)
+            else:
+                itl.append((now - last) * 1000)
+            last = now
+    return tokens
+
+
+async def drive(url: str, prompts: list[str], concurrency: int, max_tokens: int, bar: tqdm) -> Run:
+    ttft: list[float] = []
+    itl: list[float] = []
+    queue = list(prompts)
+    total = 0
+
+    async def client(http: aiohttp.ClientSession) -> None:
+        nonlocal total
+        while queue:
+            prompt = queue.pop()
+            total += await one_stream(http, url, prompt, max_tokens, ttft, itl)
+            bar.update(1)
+
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=concurrency)) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    return Run(concurrency, total / elapsed, ttft, itl)
+
+
+def start_server(model: Path, concurrency: int, data: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.engine", str(model), "--model-id", "bench", "--port", "0",
+         "--max-concurrency", str(concurrency), "--max-pending-requests", "256", "--kv-capacity", "65536",
+         "--data-dir", str(data)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "ready:" in line:
+            return proc, line.split("listening on ")[1].split()[0]
+    raise RuntimeError("ninfer-serve did not start")
+
+
+def offline(model: Path, prompts: list[str], concurrency: int, max_tokens: int) -> float:
+    llm = LLM(model, kv_capacity_tokens=65536, max_concurrency=concurrency, max_pending_requests=256)
+    llm.generate(prompts[:2], greedy(4, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, greedy(max_tokens, ignore_eos=True))
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    n, max_tokens = (8, 16) if args.quick else (args.num_prompts, args.max_tokens)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_checkpoint(Path(tmp) / "tiny", arch="qwen3", **TINY)  # type: ignore[arg-type]
+        for c in levels:
+            count = max(n // (4 if c == 1 else 1), c)
+            prompts = make_prompts(model, count, seed=c)
+            proc, url = start_server(model, c, Path(tmp) / "data")
+            try:
+                with tqdm(total=count + min(c, 4), desc=f"served c={c}", unit="req") as bar:
+                    asyncio.run(drive(url, prompts[: min(c, 4)], min(c, 4), 4, bar))  # warm-up
+                    served = asyncio.run(drive(url, prompts, c, max_tokens, bar))
+            finally:
+                proc.terminate()
+                proc.wait(30)
+            offline_tok_s = offline(model, prompts, c, max_tokens)
+            rows.append((served, offline_tok_s))
+    header = ("| concurrency | served tok/s | offline tok/s | served/offline | TTFT p50 ms | TTFT p99 ms "
+              "| ITL p50 ms | ITL p99 ms |")
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    for served, off in rows:
+        lines.append(
+            f"| {served.concurrency} | {served.tok_s:.0f} | {off:.0f} | {served.tok_s / off:.2f} "
+            f"| {statistics.median(served.ttft_ms):.1f} | {percentile(served.ttft_ms, 99):.1f} "
+            f"| {statistics.median(served.itl_ms):.2f} | {percentile(served.itl_ms, 99):.2f} |"
+        )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
