@@ -110,21 +110,28 @@ def hf_generate(model, prompts: Sequence[Sequence[int]], batch_size: int) -> lis
     return outputs
 
 
-def bench_transformers(shape: Shape, path: Path, prompts: list[list[int]], bar: tqdm) -> list[Row]:
+def bench_transformers(
+    shape: Shape, path: Path, prompts: list[list[int]], bar: tqdm
+) -> tuple[list[Row], list[list[int]]]:
+    """Rows for batch 1, 8, 32, and the batch-1 outputs (the reference the engine's are checked against)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     rows = []
+    sequential: list[list[int]] = []
     for batch_size in CONCURRENCIES:
         n = shape.num_sequential_prompts if batch_size == 1 else shape.num_prompts
         subset = prompts[:n]
         hf_generate(model, subset[:batch_size], batch_size)  # warm-up
-        seconds = timed(lambda m=model, subset=subset, b=batch_size: hf_generate(m, subset, b))
+        outputs: list[list[int]] = []
+        seconds = timed(lambda m=model, subset=subset, b=batch_size, o=outputs: o.extend(hf_generate(m, subset, b)))
+        if batch_size == 1:
+            sequential = outputs
         rows.append(Row(shape.name, "transformers", batch_size, n, seconds))
         bar.update()
     del model
-    return rows
+    return rows, sequential
 
 
 # ------------------------------------------------------------------------------------------------ engine
@@ -140,19 +147,26 @@ def engine_kwargs(concurrency: int, **extra: object) -> dict[str, object]:
     }
 
 
-def bench_engine(shape: Shape, path: Path, prompts: list[list[int]], bar: tqdm, **extra: object) -> list[Row]:
+def bench_engine(
+    shape: Shape, path: Path, prompts: list[list[int]], bar: tqdm, **extra: object
+) -> tuple[list[Row], list[list[int]]]:
+    """Rows for concurrency 1, 8, 32, and the concurrency-1 outputs."""
     rows = []
     sampling = greedy(OUTPUT_TOKENS, ignore_eos=True)
+    sequential: list[list[int]] = []
     for concurrency in CONCURRENCIES:
         n = shape.num_sequential_prompts if concurrency == 1 else shape.num_prompts
         subset = prompts[:n]
         llm = LLM(path, **engine_kwargs(concurrency, **extra))  # type: ignore[arg-type]
         llm.generate(subset[:concurrency], sampling)  # warm-up
-        seconds = timed(lambda llm=llm, subset=subset: llm.generate(subset, sampling))
+        outputs: list = []
+        seconds = timed(lambda llm=llm, subset=subset, o=outputs: o.extend(llm.generate(subset, sampling)))
+        if concurrency == 1:
+            sequential = [list(c.token_ids) for c in outputs]
         rows.append(Row(shape.name, "engine", concurrency, n, seconds))
         bar.update()
         del llm
-    return rows
+    return rows, sequential
 
 
 def bench_prefix_cache(shape: Shape, path: Path, num_requests: int, bar: tqdm) -> dict[str, float]:
@@ -247,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     extra: dict[str, object] = {"compile_model": True} if args.compile else {}
     rows: list[Row] = []
     prefix: dict[str, dict[str, float]] = {}
+    matches: dict[str, int] = {}
     systems = 1 if args.skip_transformers else 2
     with tempfile.TemporaryDirectory() as tmp, tqdm(total=len(names) * (3 * systems + 2), unit="run") as bar:
         for name in names:
@@ -265,18 +280,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
             prompts = make_prompts(max(shape.num_prompts, shape.num_sequential_prompts), shape.vocab_size, seed=0)
             bar.set_description(f"{name} engine")
-            rows += bench_engine(shape, path, prompts, bar, **extra)
+            engine_rows, engine_outputs = bench_engine(shape, path, prompts, bar, **extra)
+            rows += engine_rows
             bar.set_description(f"{name} prefix cache")
             p = bench_prefix_cache(shape, path, args.prefix_requests, bar)
             prefix[name] = {**p, "num_requests": args.prefix_requests}
             if not args.skip_transformers:
                 bar.set_description(f"{name} transformers")
-                rows += bench_transformers(shape, path, prompts, bar)
+                tf_rows, tf_outputs = bench_transformers(shape, path, prompts, bar)
+                rows += tf_rows
+                matches[name] = sum(a == b for a, b in zip(engine_outputs, tf_outputs, strict=True))
+                matches[name + "/total"] = len(tf_outputs)
     print()
     print(f"machine: {machine_line()}")
     print(f"{OUTPUT_TOKENS} greedy output tokens per prompt, prompt lengths uniform in 64..256; batch-1 rows use "
           f"the first N prompts of the same list (prompts column: transformers/engine)")
     print(render(rows, prefix, args.markdown))
+    for name in names:
+        if name in matches:
+            print(f"{name}: greedy outputs identical to transformers' (batch 1): "
+                  f"{matches[name]}/{matches[name + '/total']} prompts x {OUTPUT_TOKENS} tokens")
 
 
 if __name__ == "__main__":
