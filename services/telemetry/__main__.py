@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from proto import subjects
+from services.common import pool_config
 from services.common.bus import bus_session, nats_url_from_env
 from services.common.runtime import ConfigError, announce, data_dir, run_async_main, setup_logging
 from services.telemetry.probe import Member
@@ -15,6 +17,8 @@ from services.telemetry.service import TelemetryConfig, TelemetryService
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--member", action="append", default=[], metavar="ID=URL",
                         help="an HTTP engine to watch (repeatable; also $LLMGW_TELEMETRY_MEMBERS, comma-separated)")
+    parser.add_argument("--config", default=os.environ.get("LLMGW_CONFIG"),
+                        help="the gateway's pools file: its HTTP members are watched (also $LLMGW_CONFIG)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between probes (>= 0.1)")
     parser.add_argument("--nats", help="NATS URL (default: $NATS_URL, else an embedded server)")
     parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
@@ -34,6 +38,11 @@ def build_config(args: argparse.Namespace) -> TelemetryConfig:
         except ValueError as exc:
             raise ConfigError("member", str(exc)) from None
         members.append(Member(member_id, url))
+    if args.config:
+        known = {m.member_id for m in members}
+        for m in pool_config.load(Path(args.config)).http_members():
+            if m.member_id not in known:
+                members.append(Member(m.member_id, m.backend))
     if args.interval < 0.1:
         raise ConfigError("interval", "must be >= 0.1 seconds")
     return TelemetryConfig(members=tuple(members), interval_s=args.interval)

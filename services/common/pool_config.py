@@ -1,4 +1,4 @@
-"""The gateway's JSON configuration: pools of members, routing knobs, prices.
+"""The pools file shared by the gateway (routing) and telemetry (which HTTP members to scrape).
 
     {
       "model_pools": {

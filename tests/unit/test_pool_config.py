@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from services.common.runtime import ConfigError
-from services.gateway.config import load, member_id_for, parse
+from services.common.pool_config import load, member_id_for, parse
 
 GOOD = {
     "model_pools": {

@@ -1,8 +1,7 @@
-"""Prometheus text exposition (format 0.0.4) and the engine's request histograms. Pure: no clock.
+"""Prometheus text exposition (format 0.0.4) and histograms, for every service's ``/metrics``. Pure.
 
-The engine exposes three families of names at once so existing dashboards read it unchanged:
-``vllm:*`` (vLLM dashboards, our telemetry's vLLM scraper), ``llamacpp:*`` (the existing gateway and
-llama.cpp tooling) and ``ninfer:*`` (the NInfer fork's extras).
+(The engine exposes three families of names at once so existing dashboards read it unchanged:
+``vllm:*``, ``llamacpp:*`` and ``ninfer:*``; see services/engine/views.py.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,166 @@
+"""Proxying to HTTP members (any OpenAI-compatible server): pooled connections, pass-through streaming.
+
+Streams are passed through event by event with no buffering. The gateway always asks the upstream for
+``stream_options.include_usage`` so it can account every request, and strips that usage chunk again
+when the client did not ask for it. Failure before the first byte (connect error, 5xx, 408, no
+response headers within the first-byte deadline) raises :class:`MemberUnavailable` so the caller can
+fail over; any other 4xx is the request's own fault and is passed to the client as-is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from proto import Usage
+from services.common.http import HTTPError
+from services.common.pool_config import MemberConfig
+
+_json = msgspec.json.Encoder()
+_RETRYABLE = frozenset({408, 500, 502, 503, 504})
+ENDPOINT_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions",
+                  "embeddings": "/v1/embeddings"}
+
+
+class MemberUnavailable(Exception):
+    def __init__(self, member_id: str, reason: str, status: int | None = None) -> None:
+        super().__init__(f"{member_id}: {reason}")
+        self.member_id = member_id
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class UpstreamResult:
+    """What the gateway needs for its usage record."""
+
+    usage: Usage | None = None
+    finish_reason: str | None = None
+    ttft_ms: float | None = None
+    http_status: int = 200
+
+
+def _usage(obj: Any) -> Usage | None:
+    if not isinstance(obj, dict):
+        return None
+    details = obj.get("prompt_tokens_details") or {}
+    try:
+        return Usage(prompt_tokens=int(obj.get("prompt_tokens") or 0),
+                     completion_tokens=int(obj.get("completion_tokens") or 0),
+                     cached_tokens=int((details or {}).get("cached_tokens") or 0))
+    except (TypeError, ValueError):
+        return None
+
+
+class HttpBackend:
+    def __init__(self, first_byte_timeout_s: float, request_timeout_s: float) -> None:
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> HttpBackend:
+        # One pooled session for all members: keep-alive connections, no per-request handshake.
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=256, keepalive_timeout=60),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.first_byte_timeout_s),
+            auto_decompress=True,
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def open(self, member: MemberConfig, endpoint: str, body: dict[str, Any], stream: bool,
+                   headers: dict[str, str]) -> aiohttp.ClientResponse:
+        """Send the request; return the upstream response once its status line arrived (< 400)."""
+        assert self.session is not None
+        upstream = dict(body, model=member.model_id)
+        if stream:
+            options = dict(upstream.get("stream_options") or {})
+            options["include_usage"] = True
+            upstream["stream_options"] = options
+        try:
+            async with asyncio.timeout(self.first_byte_timeout_s):
+                resp = await self.session.post(member.backend + ENDPOINT_PATHS[endpoint], data=_json.encode(upstream),
+                                               headers={"Content-Type": "application/json", **headers})
+        except TimeoutError:
+            raise MemberUnavailable(member.member_id, "no response within the first-byte deadline") from None
+        except aiohttp.ClientError as exc:
+            raise MemberUnavailable(member.member_id, f"connect failed: {exc}") from None
+        if resp.status in _RETRYABLE:
+            resp.release()
+            raise MemberUnavailable(member.member_id, f"upstream answered {resp.status}", resp.status)
+        if resp.status >= 400:
+            try:
+                payload = await resp.json(content_type=None)
+                err = payload.get("error", {}) if isinstance(payload, dict) else {}
+            except (ValueError, aiohttp.ClientError):
+                err = {}
+            finally:
+                resp.release()
+            raise HTTPError(resp.status, str(err.get("message") or f"upstream answered {resp.status}"),
+                            code=err.get("code"), param=err.get("param"), type=err.get("type"))
+        return resp
+
+    async def relay(self, request: web.Request, resp: aiohttp.ClientResponse, stream: bool, client_wants_usage: bool,
+                    request_id: str, on_first_byte: Callable[[], None]) -> tuple[web.StreamResponse, UpstreamResult]:
+        result = UpstreamResult(http_status=resp.status)
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                if not stream:
+                    raw = await resp.read()
+                    on_first_byte()
+                    result.ttft_ms = (time.monotonic() - started) * 1000.0
+                    try:
+                        body = msgspec.json.decode(raw)
+                        result.usage = _usage(body.get("usage"))
+                        choices = body.get("choices") or [{}]
+                        result.finish_reason = choices[0].get("finish_reason")
+                    except (msgspec.DecodeError, AttributeError, IndexError):
+                        pass
+                    return web.Response(body=raw, status=resp.status, content_type="application/json",
+                                        headers={"X-Request-Id": request_id}), result
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                  "X-Request-Id": request_id})
+                await out.prepare(request)
+                first = True
+                skip_blank = False
+                async for line in resp.content:
+                    if first:
+                        on_first_byte()
+                        first = False
+                    if line.startswith(b"data: {"):
+                        try:
+                            event = msgspec.json.decode(line[6:])
+                        except msgspec.DecodeError:
+                            event = None
+                        if isinstance(event, dict):
+                            if event.get("usage"):
+                                result.usage = _usage(event["usage"])
+                            choices = event.get("choices")
+                            if choices and choices[0].get("finish_reason"):
+                                result.finish_reason = choices[0]["finish_reason"]
+                            has_text = choices and (choices[0].get("delta", {}).get("content")
+                                                    or choices[0].get("text"))
+                            if has_text and result.ttft_ms is None:
+                                result.ttft_ms = (time.monotonic() - started) * 1000.0
+                            if not choices and event.get("usage") and not client_wants_usage:
+                                skip_blank = True  # the usage chunk we injected: not the client's business
+                                continue
+                    elif skip_blank and line in (b"\n", b"\r\n"):
+                        skip_blank = False
+                        continue
+                    await out.write(line)
+                await out.write_eof()
+                return out, result
+        finally:
+            resp.release()
