@@ -155,6 +155,11 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     return ParsedRequest(endpoint, model, stream, include_usage, generate)
 
 
+def empty_generate(model: str) -> GenerateRequest:
+    """A GenerateRequest placeholder for endpoints that are passed through untouched (embeddings)."""
+    return GenerateRequest(request_id="", model=model)
+
+
 def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     if usage is None:
         return None

@@ -29,17 +29,23 @@ from services.engine.model_config import ModelConfig
 # machine (AMD EPYC, 2 cores) oneDNN is 1.5-2.8x faster for every step-sized shape except one-row products
 # with small weights, where its fixed cost loses (7 us vs 16 us for 1 x 256 x 512). Table in
 # docs/benchmarks.md. Bench shapes: tiny decode at 32 rows 157 us -> 85 us (gate/up), lm_head 948 -> 401 us.
+# Weights under 64 Ki elements stay on MKL: too small for the choice to matter, and that keeps the test
+# fixtures' tiny models on the kernel transformers uses (a different summation order can flip a near-tie
+# argmax; on the bench shapes greedy outputs still match transformers token for token).
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 _ONEDNN_MIN_MACS = 1 << 20  # rows * out * in at which oneDNN starts to win
+_ONEDNN_MIN_WEIGHT = 1 << 16  # out * in
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a 2-D ``x``, through oneDNN where that is faster (float32 on CPU, big enough)."""
+    weight_numel = weight.shape[0] * weight.shape[1]
     if (
         _ONEDNN_LINEAR is not None
         and x.dtype == torch.float32
         and x.device.type == "cpu"
-        and x.shape[0] * weight.shape[0] * weight.shape[1] >= _ONEDNN_MIN_MACS
+        and weight_numel >= _ONEDNN_MIN_WEIGHT
+        and x.shape[0] * weight_numel >= _ONEDNN_MIN_MACS
     ):
         out: torch.Tensor = _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
         return out

@@ -8,8 +8,8 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.engine.engine_core import EngineSnapshot, RequestOutput
 from services.common.prom import E2E_BUCKETS_S, TTFT_BUCKETS_S, Histogram, PromText
+from services.engine.engine_core import EngineSnapshot, RequestOutput
 from services.engine.usage_ledger import UsageLedger
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from aiohttp import web
 
+from services.common import pool_config
 from services.common.bus import bus_session, nats_url_from_env
 from services.common.runtime import (
     ConfigError,
@@ -28,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-id", default=os.environ.get("LLMGW_GATEWAY_ID"))
     parser.add_argument("--nats", help="NATS URL (default: $NATS_URL, else an embedded server)")
     parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
+    parser.add_argument("--config", default=os.environ.get("LLMGW_CONFIG"),
+                        help="pools file (JSON; see docs/architecture.md); reloaded on change (also $LLMGW_CONFIG)")
     parser.add_argument("--stale-after", type=float, default=3.0, help="seconds before a heartbeat is stale")
 
 
@@ -38,15 +42,17 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
         raise ConfigError("stale-after", "must be > 0")
     return GatewayConfig(
         gateway_id=args.gateway_id or default_worker_id("gw"), host=args.host, port=args.port,
-        stale_after_s=args.stale_after,
+        stale_after_s=args.stale_after, config_path=Path(args.config) if args.config else None,
+        data_dir=data_dir(args.data_dir),
     )
 
 
 async def run(args: argparse.Namespace) -> None:
     config = build_config(args)
     data = data_dir(args.data_dir)
+    file_config = pool_config.load(config.config_path) if config.config_path else None
     async with bus_session(nats_url_from_env(args.nats), f"gateway:{config.gateway_id}", data) as nc:
-        service = GatewayService(nc, config)
+        service = GatewayService(nc, config, file_config)
         async with service.running():
             runner = web.AppRunner(service.app(), handler_cancellation=True, access_log=None)
             await runner.setup()

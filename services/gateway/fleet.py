@@ -1,77 +1,80 @@
-"""The gateway's view of the workers: newest heartbeat per worker and its own bookings."""
+"""The gateway's view of every member: newest heartbeat (bus workers and telemetry-published HTTP
+members alike), its own bookings, recent failures, and a short load history for /backends sparklines.
+"""
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 from proto import SlotHeartbeat
-from services.gateway.router import MemberState
 
-# Heartbeats whose backend is this (or empty) come from bus workers the gateway can route to.
-# HTTP members (backend = their URL) are proxied once the gateway grows HTTP pools (issue #5).
 BUS_BACKEND = "nats"
-
-
-def _routable(hb: SlotHeartbeat) -> bool:
-    return hb.backend in ("", BUS_BACKEND)
+DOWN_AFTER_FAILURE_S = 5.0  # a member that failed a request is skipped this long (then tried again)
+HISTORY_POINTS = 60
 
 
 @dataclass
-class _Worker:
-    heartbeat: SlotHeartbeat
-    previous: SlotHeartbeat | None
-    received_s: float
+class MemberRecord:
+    heartbeat: SlotHeartbeat | None = None
+    previous: SlotHeartbeat | None = None
+    received_s: float | None = None
     routed_total: int = 0
     in_flight: int = 0
+    down_until_s: float = 0.0
+    load_history: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=HISTORY_POINTS))
 
 
 @dataclass
 class Fleet:
     gateway_id: str
-    workers: dict[str, _Worker] = field(default_factory=dict)
+    members: dict[str, MemberRecord] = field(default_factory=dict)
 
     def observe(self, hb: SlotHeartbeat, now_s: float) -> bool:
         """Record a heartbeat; returns False for one older than what we hold (out of order)."""
-        current = self.workers.get(hb.worker_id)
-        if current is None:
-            self.workers[hb.worker_id] = _Worker(hb, None, now_s)
-            return True
-        if current.heartbeat.session_id == hb.session_id:
-            if hb.seq <= current.heartbeat.seq:
+        rec = self.members.setdefault(hb.worker_id, MemberRecord())
+        current = rec.heartbeat
+        if current is not None and current.session_id == hb.session_id:
+            if hb.seq <= current.seq:
                 return False
-            current.previous = current.heartbeat
-        else:  # the worker restarted: its counters began again, and so do our bookings
-            current.previous = None
-            current.routed_total = 0
-        current.heartbeat = hb
-        current.received_s = now_s
+            rec.previous = current
+        else:  # first sight, or the engine restarted: its counters began again, and so do our bookings
+            rec.previous = None
+            rec.routed_total = 0
+        rec.heartbeat = hb
+        rec.received_s = now_s
         return True
 
-    def models(self) -> list[str]:
-        return sorted({w.heartbeat.model_id for w in self.workers.values() if _routable(w.heartbeat)})
+    def record(self, member_id: str) -> MemberRecord:
+        return self.members.setdefault(member_id, MemberRecord())
 
-    def members_for(self, model: str) -> list[MemberState]:
-        return [
-            MemberState(
-                wid, w.heartbeat, w.previous, w.received_s, w.routed_total,
-                w.heartbeat.admitted_by_gateway.get(self.gateway_id), w.in_flight,
-            )
-            for wid, w in self.workers.items()
-            if w.heartbeat.model_id == model and _routable(w.heartbeat)
-        ]
+    def bus_workers(self, model_id: str | None = None) -> list[str]:
+        """Bus workers (any model, or serving ``model_id``), in id order."""
+        return sorted(
+            wid for wid, rec in self.members.items()
+            if rec.heartbeat is not None and rec.heartbeat.backend in ("", BUS_BACKEND)
+            and (model_id is None or rec.heartbeat.model_id == model_id)
+        )
 
-    def max_context(self, model: str) -> int | None:
-        values = [w.heartbeat.max_context for w in self.workers.values() if w.heartbeat.model_id == model]
-        known = [v for v in values if v]
-        return max(known) if known else None
+    def admitted(self, member_id: str) -> int | None:
+        """How many of our requests the member's heartbeat says it received; None when it cannot say."""
+        hb = self.record(member_id).heartbeat
+        if hb is None or hb.engine_kind != "native":  # only our engine counts per gateway
+            return None
+        return hb.admitted_by_gateway.get(self.gateway_id, 0)
 
-    def book(self, worker_id: str) -> None:
-        w = self.workers.get(worker_id)
-        if w is not None:
-            w.routed_total += 1
-            w.in_flight += 1
+    def book(self, member_id: str) -> None:
+        rec = self.record(member_id)
+        rec.routed_total += 1
+        rec.in_flight += 1
 
-    def release(self, worker_id: str) -> None:
-        w = self.workers.get(worker_id)
-        if w is not None and w.in_flight > 0:
-            w.in_flight -= 1
+    def release(self, member_id: str) -> None:
+        rec = self.record(member_id)
+        if rec.in_flight > 0:
+            rec.in_flight -= 1
+
+    def mark_down(self, member_id: str, now_s: float) -> None:
+        self.record(member_id).down_until_s = now_s + DOWN_AFTER_FAILURE_S
+
+    def is_down(self, member_id: str, now_s: float) -> bool:
+        return self.record(member_id).down_until_s > now_s

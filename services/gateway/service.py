@@ -1,42 +1,42 @@
-"""The gateway's I/O shell: aiohttp handlers, heartbeat intake, the bus hop to workers, usage records."""
+"""The gateway's I/O shell: aiohttp handlers, heartbeat intake, bus and HTTP hops, usage records.
+
+Per request: validate (400/404/413), resolve the model to a pool (configured, or discovered bus
+engines), rank its members with the pure router, then try them in order — each once — until one
+accepts (bus: chunk 0; HTTP: a status line that is not 5xx/408). All down → 503 + Retry-After.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
 from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.errors import TimeoutError as NatsTimeout
 
-from proto import (
-    ProtoDecodeError,
-    SlotHeartbeat,
-    TokenChunk,
-    Usage,
-    UsageRecord,
-    decode,
-    encode,
-    subjects,
-)
-from services.common import openai_api, openai_stream
+from proto import ProtoDecodeError, SlotHeartbeat, TokenChunk, Usage, UsageRecord, decode, encode, subjects
+from services.common import openai_api, openai_stream, pool_config
 from services.common.http import HTTPError, error_middleware, read_json_object
-from services.common.runtime import new_session_id
+from services.common.prom import E2E_BUCKETS_S, Histogram, PromText
+from services.common.runtime import ConfigError, new_session_id
+from services.gateway import bus_backend, pools, routing_adapter
 from services.gateway.fleet import Fleet
-from services.gateway.router import Pick, pick_member
+from services.gateway.http_backend import HttpBackend, MemberUnavailable
+from services.gateway.openapi import document as openapi_document
+from services.gateway.usage_spool import UsageSpool
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("llmgw.access")
-
 _json = msgspec.json.Encoder()
 
 
@@ -45,28 +45,21 @@ class GatewayConfig:
     gateway_id: str
     host: str = "127.0.0.1"
     port: int = 8080
+    config_path: Path | None = None
+    data_dir: Path | None = None
     stale_after_s: float = 3.0
     first_chunk_timeout_s: float = 5.0  # worker silence before its first chunk → next member
-    chunk_timeout_s: float = 300.0  # silence between chunks once a worker accepted the request
+    chunk_timeout_s: float = 300.0  # silence between chunks once a member accepted the request
     max_body_bytes: int = 4 * 1024 * 1024
     usage_buffer: int = 100_000
-
-
-class WorkerUnavailable(Exception):
-    """The worker did not accept the request (no responder, silence, or an error before any token)."""
-
-    def __init__(self, worker_id: str, reason: str, error: HTTPError | None = None) -> None:
-        super().__init__(f"{worker_id}: {reason}")
-        self.worker_id = worker_id
-        self.reason = reason
-        self.error = error
+    config_poll_s: float = 1.0
 
 
 @dataclass
 class _Outcome:
-    """What one request produced, for its UsageRecord and access line."""
+    """What one request produced, for its UsageRecord, metrics and access line."""
 
-    worker_id: str = ""
+    member_id: str = ""
     status: str = "ok"
     http_status: int = 200
     finish_reason: str | None = None
@@ -74,21 +67,40 @@ class _Outcome:
     usage: Usage | None = None
     ttft_ms: float | None = None
     routing_reason: str = ""
+    pool: str = ""
 
 
 @dataclass
-class GatewayService:
-    nc: Client
-    config: GatewayConfig
-    session_id: str = field(default_factory=new_session_id)
-    fleet: Fleet = field(init=False)
-    _usage_queue: asyncio.Queue[UsageRecord] = field(init=False)
-    _seq: int = 0
-    usage_published: int = 0
+class GatewayMetrics:
+    requests: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
+    decisions: collections.Counter[str] = field(default_factory=collections.Counter)
+    failovers: collections.Counter[str] = field(default_factory=collections.Counter)
+    latency: dict[str, Histogram] = field(default_factory=dict)
+    affinity_hits: int = 0
 
-    def __post_init__(self) -> None:
-        self.fleet = Fleet(self.config.gateway_id)
-        self._usage_queue = asyncio.Queue(maxsize=self.config.usage_buffer)
+    def observe(self, outcome: _Outcome, latency_s: float) -> None:
+        self.requests[(outcome.pool or "-", outcome.member_id or "-", outcome.status)] += 1
+        self.latency.setdefault(outcome.pool or "-", Histogram(E2E_BUCKETS_S)).observe(latency_s)
+
+
+class GatewayService:
+    def __init__(self, nc: Client, config: GatewayConfig, file_config: pool_config.GatewayFileConfig | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.nc = nc
+        self.config = config
+        self.session_id = new_session_id()
+        self.file_config = file_config or pool_config.GatewayFileConfig()
+        self.fleet = Fleet(config.gateway_id)
+        self.router = routing_adapter.Router(config.data_dir)
+        self.metrics = GatewayMetrics()
+        self.http = HttpBackend(first_byte_timeout_s=config.first_chunk_timeout_s,
+                                request_timeout_s=self.file_config.limits.request_timeout_s)
+        self.spool = UsageSpool((config.data_dir or Path("data")) / "usage-spool" / config.gateway_id)
+        self.rng = rng or random.Random()
+        self._usage_queue: asyncio.Queue[UsageRecord] = asyncio.Queue(maxsize=config.usage_buffer)
+        self._seq = 0
+        self.usage_published = 0
+        self._config_mtime: float | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -96,15 +108,20 @@ class GatewayService:
     async def running(self) -> AsyncIterator[None]:
         sub = await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         await self._load_known_workers()
-        publisher = asyncio.create_task(self._publish_usage(), name="usage-publisher")
-        try:
-            yield
-        finally:
-            await sub.unsubscribe()
-            await self._flush_usage(timeout_s=5.0)
-            publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await publisher
+        async with self.http, asyncio.TaskGroup() as tasks:
+            background = [tasks.create_task(self._publish_usage(), name="usage-publisher"),
+                          tasks.create_task(self._resend_spooled(), name="usage-resend")]
+            if self.config.config_path is not None:
+                self._config_mtime = _mtime(self.config.config_path)
+                background.append(tasks.create_task(self._watch_config(), name="config-watch"))
+            try:
+                yield
+            finally:
+                await sub.unsubscribe()
+                await self._flush_usage(timeout_s=5.0)
+                self.router.save()
+                for task in background:
+                    task.cancel()
 
     async def _load_known_workers(self) -> None:
         """A new gateway knows the fleet at once from the KV bucket's last heartbeat per worker."""
@@ -128,7 +145,25 @@ class GatewayService:
         except ProtoDecodeError as exc:
             log.warning("dropped heartbeat on %s: %s", msg.subject, exc.reason)
             return
-        self.fleet.observe(hb, time.monotonic())
+        now = time.monotonic()
+        if self.fleet.observe(hb, now):
+            rec = self.fleet.members[hb.worker_id]
+            rec.load_history.append(self.router.load_of(hb, rec.previous))
+
+    async def _watch_config(self) -> None:
+        """Reload the pools file when it changes; a broken file keeps the old config and says why."""
+        assert self.config.config_path is not None
+        while True:
+            await asyncio.sleep(self.config.config_poll_s)
+            mtime = _mtime(self.config.config_path)
+            if mtime == self._config_mtime:
+                continue
+            self._config_mtime = mtime
+            try:
+                self.file_config = await asyncio.to_thread(pool_config.load, self.config.config_path)
+                log.info("reloaded %s: %d pool(s)", self.config.config_path, len(self.file_config.pools))
+            except ConfigError as exc:
+                log.error("kept the previous config: %s", exc)
 
     # ---- usage records ----------------------------------------------------------------------------
 
@@ -136,51 +171,66 @@ class GatewayService:
                       outcome: _Outcome, started_s: float, wall_s: float) -> None:
         self._seq += 1
         usage = outcome.usage
+        latency_s = time.monotonic() - started_s
         record = UsageRecord(
             gateway_id=self.config.gateway_id, session_id=self.session_id, seq=self._seq, ts_s=wall_s,
-            request_id=request_id, model=parsed.model, pool=parsed.model, member=outcome.worker_id,
-            worker_id=outcome.worker_id, api_key_id=api_key_id, endpoint=parsed.endpoint,
+            request_id=request_id, model=parsed.model, pool=outcome.pool or parsed.model, member=outcome.member_id,
+            worker_id=outcome.member_id, api_key_id=api_key_id, endpoint=parsed.endpoint,
             stream=parsed.stream, status=outcome.status,  # type: ignore[arg-type]
             http_status=outcome.http_status, finish_reason=outcome.finish_reason,
             error_code=outcome.error_code,
             prompt_tokens=usage.prompt_tokens if usage else 0,
             cached_tokens=usage.cached_tokens if usage else 0,
             output_tokens=usage.completion_tokens if usage else 0,
-            ttft_ms=outcome.ttft_ms, latency_ms=(time.monotonic() - started_s) * 1000.0,
-            routing_reason=outcome.routing_reason,
+            ttft_ms=outcome.ttft_ms, latency_ms=latency_s * 1000.0, routing_reason=outcome.routing_reason,
         )
+        self.metrics.observe(outcome, latency_s)
         try:
             self._usage_queue.put_nowait(record)
         except asyncio.QueueFull:
-            log.error("usage buffer full (%d records): dropping usage of %s", self._usage_queue.maxsize, request_id)
+            if not self.spool.append(encode(record)):
+                log.error("usage of %s could not be kept (memory queue and spool full)", request_id)
         access_log.info(
-            "request_id=%s endpoint=%s model=%s member=%s status=%s http=%s prompt=%s output=%s ms=%.1f reason=%s",
-            request_id, parsed.endpoint, parsed.model, outcome.worker_id or "-", outcome.status,
+            "request_id=%s endpoint=%s pool=%s member=%s status=%s http=%s prompt=%s output=%s ms=%.1f reason=%s",
+            request_id, parsed.endpoint, outcome.pool or "-", outcome.member_id or "-", outcome.status,
             outcome.http_status, record.prompt_tokens, record.output_tokens, record.latency_ms,
             outcome.routing_reason or "-",
         )
 
+    async def _publish(self, data: bytes, request_id: str) -> None:
+        # Nats-Msg-Id lets the stream drop a duplicate when we retry after a lost ack.
+        await self.nc.jetstream().publish(subjects.usage(self.config.gateway_id), data,
+                                          headers={"Nats-Msg-Id": f"usage-{request_id}"}, timeout=2.0)
+
     async def _publish_usage(self) -> None:
-        js = self.nc.jetstream()
         while True:
             record = await self._usage_queue.get()
-            delay = 0.2
-            while True:
-                try:
-                    # Nats-Msg-Id lets the stream drop a duplicate when we retry after a lost ack.
-                    await js.publish(
-                        subjects.usage(self.config.gateway_id), encode(record),
-                        headers={"Nats-Msg-Id": f"usage-{record.request_id}"}, timeout=5.0,
-                    )
+            data = encode(record)
+            try:
+                await self._publish(data, record.request_id)
+                self.usage_published += 1
+            except asyncio.CancelledError:
+                self.spool.append(data)
+                raise
+            except Exception as exc:
+                log.warning("usage of %s spooled to disk (bus unavailable: %s)", record.request_id, exc)
+                self.spool.append(data)
+            finally:
+                self._usage_queue.task_done()
+
+    async def _resend_spooled(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if not self.spool.has_pending() or not self.nc.is_connected:
+                continue
+            try:
+                for data in self.spool.take():
+                    await self._publish(data, decode(data, UsageRecord).request_id)
                     self.usage_published += 1
-                    break
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    log.warning("usage publish failed (%s); retrying in %.1fs", exc, delay)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-            self._usage_queue.task_done()
+                self.spool.done()
+                log.info("spooled usage records delivered")
+            except Exception as exc:
+                log.warning("spooled usage not delivered yet: %s", exc)
 
     async def _flush_usage(self, timeout_s: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -193,40 +243,82 @@ class GatewayService:
         app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model_id}", self.get_model)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/backends", self.backends)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_post("/admin/routing/explain", self.explain)
         return app
 
-    def _live_models(self) -> dict[str, int | None]:
-        now = time.monotonic()
-        out: dict[str, int | None] = {}
-        for model in self.fleet.models():
-            members = self.fleet.members_for(model)
-            if any(now - m.received_s <= self.config.stale_after_s and m.heartbeat.state == "ready"
-                   for m in members):
-                out[model] = self.fleet.max_context(model)
-        return out
-
-    @staticmethod
-    def _model_card(model: str, max_context: int | None) -> dict[str, Any]:
-        return {"id": model, "object": "model", "created": 0, "owned_by": "llmgw", "max_model_len": max_context}
+    def _model_card(self, name: str) -> dict[str, Any]:
+        resolved = pools.resolve(name, self.file_config, self.fleet)
+        contexts = []
+        for ref in resolved.members if resolved else ():
+            hb = self.fleet.record(ref.member_id).heartbeat
+            contexts.append(ref.max_context or (hb.max_context if hb else None))
+        known = [c for c in contexts if c]
+        return {"id": name, "object": "model", "created": 0, "owned_by": "llmgw",
+                "max_model_len": max(known) if known else None}
 
     async def list_models(self, request: web.Request) -> web.Response:
-        data = [self._model_card(m, ctx) for m, ctx in self._live_models().items()]
-        return web.json_response({"object": "list", "data": data})
+        names = pools.model_names(self.file_config, self.fleet)
+        return web.json_response({"object": "list", "data": [self._model_card(n) for n in names]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         model = request.match_info["model_id"]
-        models = self._live_models()
-        if model not in models:
-            raise HTTPError(404, f"model '{model}' does not exist or has no live engine", code="model_not_found",
-                            param="model")
-        return web.json_response(self._model_card(model, models[model]))
+        if model not in pools.model_names(self.file_config, self.fleet):
+            raise HTTPError(404, f"model '{model}' does not exist", code="model_not_found", param="model")
+        return web.json_response(self._model_card(model))
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "gateway_id": self.config.gateway_id,
-                                  "nats_connected": self.nc.is_connected, "models": list(self._live_models())})
+                                  "nats_connected": self.nc.is_connected,
+                                  "usage_spooled": self.spool.has_pending()})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document())
+
+    def backends_view(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        rows = []
+        seen: set[str] = set()
+        names = list(self.file_config.pools) + [n for n in pools.model_names(self.file_config, self.fleet)
+                                                 if n not in self.file_config.pools]
+        for name in names:
+            resolved = pools.resolve(name, self.file_config, self.fleet)
+            if resolved is None or resolved.pool.name != name:
+                continue
+            for ref in resolved.members:
+                seen.add(ref.member_id)
+                rows.append(self.router.describe_member(resolved, ref, self.fleet, now, self.config.stale_after_s))
+        return rows
+
+    async def backends(self, request: web.Request) -> web.Response:
+        return web.json_response({"gateway_id": self.config.gateway_id, "members": self.backends_view()})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        m = PromText()
+        for (pool, member, status), n in sorted(self.metrics.requests.items()):
+            m.counter("llmgw_requests_total", "Requests by pool, member and outcome.", n,
+                      {"pool": pool, "member": member, "status": status})
+        for pool, hist in sorted(self.metrics.latency.items()):
+            m.histogram("llmgw_request_latency_seconds", "Request latency at the gateway.", hist, {"pool": pool})
+        for reason, n in sorted(self.metrics.decisions.items()):
+            m.counter("llmgw_routing_decisions_total", "Routing decisions by reason.", n, {"reason": reason})
+        for member, n in sorted(self.metrics.failovers.items()):
+            m.counter("llmgw_failovers_total", "Members skipped after a failure.", n, {"member": member})
+        m.counter("llmgw_affinity_hits_total", "Requests routed by cache affinity.", self.metrics.affinity_hits)
+        for row in self.backends_view():
+            labels = {"pool": row["pool"], "member": row["member_id"]}
+            m.gauge("llmgw_member_load_score", "Load score the router uses (0..1).", row["load_score"], labels)
+            m.gauge("llmgw_member_heartbeat_age_seconds", "Age of the member's newest heartbeat.",
+                    row["heartbeat_age_s"], labels)
+            m.gauge("llmgw_member_in_flight", "This gateway's open requests on the member.", row["in_flight"],
+                    labels)
+        return web.Response(text=m.render(), content_type="text/plain", charset="utf-8")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "chat.completions")
@@ -234,20 +326,52 @@ class GatewayService:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completions")
 
-    async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "embeddings")
+
+    async def explain(self, request: web.Request) -> web.Response:
+        """Dry-run the router on a chat/completions body: the candidates, their scores and why."""
         body = await read_json_object(request)
+        parsed = self._parse(body, "chat.completions" if "messages" in body else "completions")
+        resolved = self._resolve(parsed.model)
+        decision = self.router.decide(resolved, parsed, self._session_key(request, None), self.fleet,
+                                      time.monotonic(), self.config.stale_after_s, self.rng)
+        return web.json_response(decision.explain())
+
+    @staticmethod
+    def _parse(body: dict[str, Any], endpoint: str) -> openai_api.ParsedRequest:
         try:
-            parsed = openai_api.parse_request(body, endpoint)
+            if endpoint == "embeddings":
+                model = body.get("model")
+                if not isinstance(model, str) or not model:
+                    raise openai_api.InvalidRequest("'model' is required and must be a string", "model")
+                if "input" not in body:
+                    raise openai_api.InvalidRequest("'input' is required", "input")
+                return openai_api.ParsedRequest("embeddings", model, False, False, openai_api.empty_generate(model))
+            return openai_api.parse_request(body, endpoint)
         except openai_api.InvalidRequest as exc:
             raise HTTPError(400, str(exc), param=exc.param, code=exc.code) from None
-        if parsed.model not in self.fleet.models():
-            raise HTTPError(404, f"model '{parsed.model}' does not exist", code="model_not_found", param="model")
+
+    def _resolve(self, model: str) -> pools.ResolvedPool:
+        resolved = pools.resolve(model, self.file_config, self.fleet)
+        if resolved is None:
+            raise HTTPError(404, f"model '{model}' does not exist", code="model_not_found", param="model")
+        return resolved
+
+    @staticmethod
+    def _session_key(request: web.Request, api_key_id: str | None) -> str | None:
+        return request.headers.get("X-Session-Id") or api_key_id
+
+    async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        body = await read_json_object(request)
+        parsed = self._parse(body, endpoint)
+        resolved = self._resolve(parsed.model)
         request_id = f"req-{uuid.uuid4().hex}"
         api_key_id = None
         started, wall = time.monotonic(), time.time()
-        outcome = _Outcome()
+        outcome = _Outcome(pool=resolved.pool.name)
         try:
-            return await self._forward(request, parsed, request_id, api_key_id, outcome)
+            return await self._forward(request, body, parsed, resolved, request_id, api_key_id, outcome)
         except HTTPError as err:
             outcome.status, outcome.http_status, outcome.error_code = "error", err.status, err.code
             raise
@@ -257,103 +381,93 @@ class GatewayService:
         finally:
             self._record_usage(parsed, request_id, api_key_id, outcome, started, wall)
 
-    def _candidates(self, model: str, tried: set[str]) -> Pick:
-        members = [m for m in self.fleet.members_for(model) if m.worker_id not in tried]
-        return pick_member(members, time.monotonic(), self.config.stale_after_s)
-
-    async def _forward(self, request: web.Request, parsed: openai_api.ParsedRequest, request_id: str,
-                       api_key_id: str | None, outcome: _Outcome) -> web.StreamResponse:
-        tried: set[str] = set()
+    async def _forward(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
+                       resolved: pools.ResolvedPool, request_id: str, api_key_id: str | None,
+                       outcome: _Outcome) -> web.StreamResponse:
+        now = time.monotonic()
+        session_key = self._session_key(request, api_key_id)
+        decision = self.router.decide(resolved, parsed, session_key, self.fleet, now, self.config.stale_after_s,
+                                      self.rng)
+        self.metrics.decisions[decision.reason] += 1
+        refs = {r.member_id: r for r in resolved.members}
         last_error: HTTPError | None = None
-        while True:
-            pick = self._candidates(parsed.model, tried)
-            if pick.worker_id is None:
-                if last_error is not None and last_error.status < 500:
-                    raise last_error  # e.g. 400 context_length_exceeded, 429 queue full
-                raise HTTPError(503, f"no engine for model '{parsed.model}' is available right now; retry shortly",
-                                code="no_backend_available", retry_after_s=5)
-            worker_id = pick.worker_id
-            tried.add(worker_id)
-            outcome.routing_reason = pick.reason if not last_error else f"failover:{pick.reason}"
+        for attempt, member_id in enumerate(decision.ranked):
+            ref = refs[member_id]
+            if parsed.endpoint == "embeddings" and ref.kind != "http":
+                continue  # our engines do not serve embeddings
+            outcome.member_id = member_id
+            outcome.routing_reason = decision.reason if attempt == 0 else f"failover:{decision.reason}"
+            self.fleet.book(member_id)
             try:
-                sub, first = await self._start(worker_id, parsed, request_id, api_key_id)
-            except WorkerUnavailable as exc:
-                log.warning("worker %s unavailable for %s: %s", worker_id, request_id, exc.reason)
-                last_error = exc.error
-                # A 4xx from the engine is about the request itself: another member would say the same.
-                if exc.error is not None and exc.error.status in (400, 413):
-                    raise exc.error from None
+                if ref.kind == "bus":
+                    response = await self._via_bus(request, parsed, ref, request_id, api_key_id, outcome)
+                else:
+                    response = await self._via_http(request, body, parsed, ref, request_id, outcome)
+            except (bus_backend.WorkerUnavailable, MemberUnavailable) as exc:
+                error = getattr(exc, "error", None)
+                if error is not None and error.status < 500:
+                    if error.status in (400, 413):
+                        raise error from None  # about the request itself: another member would say the same
+                    last_error = error  # e.g. 429 queue full: try the next member, report this if none
+                else:
+                    self.fleet.mark_down(member_id, time.monotonic())
+                log.warning("member %s unavailable for %s: %s", member_id, request_id, exc)
+                self.metrics.failovers[member_id] += 1
                 continue
-            outcome.worker_id = worker_id
-
-            def on_final(chunk: TokenChunk, ttft_ms: float | None) -> None:
-                outcome.finish_reason, outcome.usage, outcome.ttft_ms = chunk.finish_reason, chunk.usage, ttft_ms
-                if chunk.error is not None:
-                    outcome.status, outcome.http_status = "error", chunk.error.status
-                    outcome.error_code = chunk.error.code
-                elif chunk.finish_reason == "abort":
-                    outcome.status = "aborted"
-
-            def on_error(err: HTTPError) -> None:
-                outcome.status, outcome.http_status, outcome.error_code = "error", err.status, err.code
-
-            try:
-                return await openai_stream.respond(request, parsed, request_id, self._chunks(sub, first),
-                                                   on_final, on_error)
-            except (asyncio.CancelledError, ConnectionResetError):
-                # The client went away: stop the engine's work too.
-                with contextlib.suppress(Exception):
-                    await self.nc.publish(subjects.cancel(worker_id), request_id.encode())
-                raise
             finally:
-                self.fleet.release(worker_id)
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+                self.fleet.release(member_id)
+            if outcome.status == "ok":
+                self.router.record_success(resolved, parsed, session_key, member_id, time.monotonic())
+                if decision.reason == "affinity":
+                    self.metrics.affinity_hits += 1
+            return response
+        if last_error is not None:
+            raise last_error
+        outcome.member_id = ""
+        raise HTTPError(503, f"no engine of '{parsed.model}' can take the request right now; retry shortly",
+                        code="no_backend_available", retry_after_s=5)
 
-    async def _start(self, worker_id: str, parsed: openai_api.ParsedRequest, request_id: str,
-                     api_key_id: str | None) -> tuple[Subscription, TokenChunk]:
-        """Send the request to one worker and wait for its acceptance (chunk 0) or refusal."""
-        generate = msgspec.structs.replace(
-            parsed.generate, request_id=request_id, gateway_id=self.config.gateway_id, api_key_id=api_key_id,
-        )
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
-        self.fleet.book(worker_id)
+    def _on_final(self, outcome: _Outcome) -> Callable[[TokenChunk, float | None], None]:
+        def on_final(chunk: TokenChunk, ttft_ms: float | None) -> None:
+            outcome.finish_reason, outcome.usage, outcome.ttft_ms = chunk.finish_reason, chunk.usage, ttft_ms
+            if chunk.error is not None:
+                outcome.status, outcome.http_status, outcome.error_code = "error", chunk.error.status, chunk.error.code
+            elif chunk.finish_reason == "abort":
+                outcome.status = "aborted"
+        return on_final
+
+    def _on_error(self, outcome: _Outcome) -> Callable[[HTTPError], None]:
+        def on_error(err: HTTPError) -> None:
+            outcome.status, outcome.http_status, outcome.error_code = "error", err.status, err.code
+        return on_error
+
+    async def _via_bus(self, request: web.Request, parsed: openai_api.ParsedRequest, ref: pools.MemberRef,
+                       request_id: str, api_key_id: str | None, outcome: _Outcome) -> web.StreamResponse:
+        generate = msgspec.structs.replace(parsed.generate, request_id=request_id, model=ref.model_id,
+                                           gateway_id=self.config.gateway_id, api_key_id=api_key_id)
+        stream = await bus_backend.start(self.nc, ref.member_id, generate, self.config.first_chunk_timeout_s,
+                                         self.config.chunk_timeout_s)
         try:
-            await self.nc.publish(subjects.gen(worker_id), encode(generate), reply=inbox)
-            try:
-                msg = await sub.next_msg(timeout=self.config.first_chunk_timeout_s)
-            except (NatsTimeout, TimeoutError):
-                raise WorkerUnavailable(worker_id, "silent past the first-chunk deadline") from None
-            if msg.headers and msg.headers.get("Status") == "503":
-                raise WorkerUnavailable(worker_id, "no responder on its subject")
-            try:
-                first = decode(msg.data, TokenChunk)
-            except ProtoDecodeError as exc:
-                raise WorkerUnavailable(worker_id, exc.reason) from None
-            if first.error is not None:
-                raise WorkerUnavailable(worker_id, first.error.message, openai_stream.chunk_error(first))
-            return sub, first
-        except BaseException:
-            self.fleet.release(worker_id)
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            return await openai_stream.respond(request, parsed, request_id, stream.chunks(),
+                                               self._on_final(outcome), self._on_error(outcome))
+        except (asyncio.CancelledError, ConnectionResetError):
+            await bus_backend.cancel(self.nc, ref.member_id, request_id)  # the client went away
             raise
+        finally:
+            await stream.close()
 
-    async def _chunks(self, sub: Subscription, first: TokenChunk) -> AsyncIterator[TokenChunk]:
-        yield first
-        expected = first.index + 1
-        chunk = first
-        while not chunk.is_final:
-            try:
-                msg = await sub.next_msg(timeout=self.config.chunk_timeout_s)
-            except (NatsTimeout, TimeoutError):
-                raise HTTPError(503, "the engine stopped responding mid-request", code="upstream_timeout",
-                                retry_after_s=5) from None
-            chunk = decode(msg.data, TokenChunk)
-            if chunk.index != expected:
-                raise HTTPError(503, f"lost part of the engine's reply (chunk {expected} missing)",
-                                code="upstream_gap", retry_after_s=1)
-            expected += 1
-            yield chunk
+    async def _via_http(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
+                        ref: pools.MemberRef, request_id: str, outcome: _Outcome) -> web.StreamResponse:
+        assert ref.config is not None
+        resp = await self.http.open(ref.config, parsed.endpoint, body, parsed.stream, {"X-Request-Id": request_id})
+        response, result = await self.http.relay(request, resp, parsed.stream, parsed.include_usage, request_id,
+                                                 on_first_byte=lambda: None)
+        outcome.usage, outcome.finish_reason, outcome.ttft_ms = result.usage, result.finish_reason, result.ttft_ms
+        return response
 
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None

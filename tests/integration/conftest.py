@@ -17,6 +17,7 @@ from services.common.nats_server import EmbeddedNatsServer
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.worker import BusWorker, WorkerConfig
+from services.gateway import pools
 from services.gateway.service import GatewayConfig, GatewayService
 
 
@@ -53,7 +54,7 @@ async def stack(nats_server: EmbeddedNatsServer, tiny_model: Path, tmp_path: Pat
         worker = BusWorker(engine_nc, engine, WorkerConfig(worker_id="w1", heartbeat_interval_s=0.2))
         accounting = AccountingService(acct_nc, AccountingConfig(db_path=tmp_path / "ledger.duckdb",
                                                                  fetch_timeout_s=0.2))
-        gateway = GatewayService(gw_nc, GatewayConfig(gateway_id="gw1", port=0))
+        gateway = GatewayService(gw_nc, GatewayConfig(gateway_id="gw1", port=0, data_dir=tmp_path))
         tasks = [asyncio.create_task(worker.run()), asyncio.create_task(accounting.run())]
         await es.enter_async_context(gateway.running())
         runner = web.AppRunner(gateway.app(), handler_cancellation=True)
@@ -62,7 +63,7 @@ async def stack(nats_server: EmbeddedNatsServer, tiny_model: Path, tmp_path: Pat
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         host, port = runner.addresses[0][:2]
-        await wait_for(lambda: "tiny" in gateway.fleet.models())
+        await wait_for(lambda: "tiny" in pools.model_names(gateway.file_config, gateway.fleet))
 
         async def stop_tasks() -> None:
             for t in tasks:

@@ -1,0 +1,370 @@
+"""Pool routing as pure functions over plain data (docs/routing.md).
+
+No I/O, no clock, no random source of its own: the caller passes ``now_s`` and the member states, and
+gets back a ``Pick`` that says who won and why (every candidate's load, cost and cost components), so
+the decision can be tested with the arithmetic written out, shown on ``GET /admin/routing/explain``,
+and replayed by ``bench/routing_sim.py``.
+
+Per request (O(members) plus O(depth) table look-ups)::
+
+    caller: pick(policy, weights, members, request, affinity, pins, now_s, rng) -> Pick
+            try pick.ranked in order (failover: each member once)
+            on success: record_route(policy, request, pick, served_by, affinity, pins, now_s)
+
+``pick`` never mutates the tables; ``record_route`` is the only writer on the request path.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from proto import SlotHeartbeat
+from services.gateway.affinity import AffinityHit, AffinityTable, PinTable, PrefixKey, prefix_hashes
+
+__all__ = [
+    "AffinityHit", "AffinityTable", "Candidate", "MemberState", "Pick", "PinTable", "PoolPolicy", "PrefixKey",
+    "RouteRequest", "RoutingWeights", "load_score", "pick", "prefix_hashes", "record_route", "unseen_bookings",
+]
+
+# docs/routing.md §1: vLLM's own signals (running/max_num_seqs, KV usage, waiting) weighed as the
+# existing gateway does for vLLM backends; max_num_seqs is the heartbeat's ``lanes``.
+VLLM_RUNNING_WEIGHT = 0.6
+VLLM_KV_WEIGHT = 0.3
+VLLM_WAITING_WEIGHT = 0.1
+VLLM_WAITING_CAP = 5
+
+_LANE_KINDS = frozenset({"native", "ninfer"})
+_NOT_ROUTABLE = frozenset({"down", "stopped", "draining"})
+
+Reason = Literal[
+    "pinned", "affinity", "least_loaded", "overflow", "only_member", "in_flight_only",
+    "pin_broken_busy", "pin_broken_down", "no_live_member", "no_member_fits_context",
+]
+Basis = Literal["heartbeat", "no_signal", "in_flight_only"]
+
+
+@dataclass(frozen=True)
+class RoutingWeights:
+    """Gateway-level scoring knobs (pools file ``metrics``)."""
+
+    ninfer_lane_weight: float = 0.75
+    ninfer_queue_weight: float = 0.15
+    ninfer_pressure_weight: float = 0.10
+    kv_high_water: float = 0.9
+    stale_after_s: float = 3.0
+
+
+@dataclass(frozen=True)
+class PoolPolicy:
+    """Per-pool selection knobs; all costs are in load units (a load score lies in [0, 1]).
+
+    ``sticky_bias``: cost subtracted for the session's pinned member (times ``api_key_sticky`` when the
+    session key is only the API key id). ``capacity_bias``: cost subtracted in proportion to
+    ``capacity_weight / max capacity_weight``. ``affinity_weight``: cost subtracted for a cached prefix
+    of ``affinity_full_chars`` characters or more (linearly less for shorter ones); affinity counts only
+    while the member's load is below ``affinity_busy_guard``. ``backlog_weight``: cost per waiting
+    request beyond lanes/2, per lane (the queue the load score no longer sees). ``prefill_weight``: cost
+    of prefill already queued by this gateway, at the affinity exchange rate. Defaults: docs/routing.md
+    §3 (tuned with bench/routing_sim.py, §7).
+    """
+
+    overflow_threshold: float = 0.85
+    cache_affinity: bool = True
+    sticky_bias: float = 0.2
+    capacity_bias: float = 0.1
+    affinity_busy_guard: float = 0.95
+    affinity_weight: float = 0.6
+    affinity_full_chars: int = 8000
+    backlog_weight: float = 0.5
+    prefill_weight: float = 0.5
+    api_key_sticky: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("overflow_threshold", "sticky_bias", "capacity_bias", "affinity_busy_guard", "affinity_weight",
+                     "backlog_weight", "prefill_weight", "api_key_sticky"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"PoolPolicy.{name} must lie in [0, 1], got {value!r}")
+        if self.affinity_full_chars < 1:
+            raise ValueError("PoolPolicy.affinity_full_chars must be positive")
+
+
+@dataclass(frozen=True)
+class MemberState:
+    """What the gateway knows about one pool member at decision time (the fleet builds these)."""
+
+    member_id: str
+    engine_kind: str = "native"
+    capacity_weight: float = 1.0
+    max_context: int | None = None  # from the pool config; the heartbeat's value is used when None
+    heartbeat: SlotHeartbeat | None = None
+    previous: SlotHeartbeat | None = None
+    received_s: float | None = None
+    routed_total: int = 0  # requests this gateway sent in the member's current heartbeat session
+    admitted: int | None = None  # heartbeat.admitted_by_gateway[our id]; None: the engine does not say
+    in_flight: int = 0  # this gateway's open requests on the member
+    is_down: bool = False  # connect errors / 5xx seen recently
+    # prompt characters of this gateway's open requests on the member that have not streamed a first
+    # token yet, less the cached prefix expected when each was routed (``Candidate.affinity_chars``)
+    pending_prefill_chars: int = 0
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    session_key: str | None = None  # X-Session-Id, else the API key id
+    is_session_header: bool = True  # False: session_key is the API key id (a weaker hint, see api_key_sticky)
+    prefix_keys: tuple[PrefixKey, ...] = ()
+    prompt_tokens: int = 0  # estimate, for the max_context filter
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One member's score sheet (docs/routing.md §3)::
+
+        cost = load + in_flight_term + backlog + pending_prefill - affinity_saving - pin - capacity_term
+
+    ``excluded`` members (``down``/``stopped``/``draining``/``stale``/``context``) have no cost and are not
+    in ``Pick.ranked``; ``is_busy`` members (load ≥ overflow_threshold) rank after all others.
+    """
+
+    member_id: str
+    basis: Basis | None
+    load: float
+    cost: float | None
+    booked: int = 0
+    in_flight: int = 0
+    in_flight_term: float = 0.0
+    affinity_depth: int = 0
+    affinity_chars: int = 0
+    affinity_saving: float = 0.0
+    affinity_guarded: bool = False  # the member holds the prefix but is at or above the busy guard
+    pin: float = 0.0
+    capacity_term: float = 0.0
+    backlog: float = 0.0
+    pending_prefill: float = 0.0
+    age_s: float | None = None
+    is_stale: bool = False
+    is_busy: bool = False
+    excluded: str | None = None
+
+
+@dataclass(frozen=True)
+class Pick:
+    member_id: str | None
+    reason: Reason
+    ranked: tuple[str, ...]  # failover order: the pick, then the rest by cost (busy ones last)
+    candidates: tuple[Candidate, ...]  # every member, in input order
+    pinned_member: str | None = None  # the session's live pin when the request came in
+    pin_broken: Literal["busy", "down"] | None = None
+
+
+def unseen_bookings(m: MemberState) -> int:
+    """Requests routed to the member that its last heartbeat cannot reflect yet (docs/routing.md §2)."""
+    if m.admitted is None:
+        return m.in_flight
+    return max(0, min(m.in_flight, m.routed_total - m.admitted))
+
+
+def _counter_rose(hb: SlotHeartbeat, previous: SlotHeartbeat | None) -> bool:
+    if previous is None or previous.session_id != hb.session_id:
+        return False
+    pairs = (
+        (hb.kv_spills_total, previous.kv_spills_total),
+        (hb.kv_evictions_total, previous.kv_evictions_total),
+        (hb.preemptions_total, previous.preemptions_total),
+    )
+    return any(now is not None and before is not None and now > before for now, before in pairs)
+
+
+def _kv_pressure(hb: SlotHeartbeat, previous: SlotHeartbeat | None, w: RoutingWeights) -> float:
+    if _counter_rose(hb, previous):
+        return 1.0
+    if hb.kv_usage is not None and hb.kv_usage >= w.kv_high_water:
+        return hb.kv_usage
+    return 0.0
+
+
+def load_score(kind: str, hb: SlotHeartbeat, previous: SlotHeartbeat | None, booked: int,
+               weights: RoutingWeights) -> float | None:
+    """Load in [0, 1] from the heartbeat plus ``booked`` unseen requests; None = no lane signal.
+
+    Booked requests fill free lanes first and wait beyond them (docs/routing.md §1).
+    """
+    if kind not in _LANE_KINDS and kind != "vllm":
+        return None
+    if not hb.lanes or hb.running is None:
+        return None
+    lanes = hb.lanes
+    running = hb.running + booked
+    waiting = hb.waiting or 0
+    if running > lanes:
+        waiting += running - lanes
+        running = lanes
+    if kind == "vllm":
+        return (VLLM_RUNNING_WEIGHT * running / lanes + VLLM_KV_WEIGHT * (hb.kv_usage or 0.0)
+                + VLLM_WAITING_WEIGHT * min(waiting, VLLM_WAITING_CAP) / VLLM_WAITING_CAP)
+    lane_p = 1.0 if waiting > 0 else min(running / lanes, 1.0)
+    queue_p = min(waiting / max(lanes / 2, 1), 1.0)
+    return (weights.ninfer_lane_weight * lane_p + weights.ninfer_queue_weight * queue_p
+            + weights.ninfer_pressure_weight * _kv_pressure(hb, previous, weights))
+
+
+def _backlog(m: MemberState, booked: int) -> float:
+    """Waiting requests beyond where queueP saturates (lanes/2), per lane: the queue the score cannot see."""
+    hb = m.heartbeat
+    assert hb is not None and hb.lanes
+    waiting = (hb.waiting or 0) + max(0, (hb.running or 0) + booked - hb.lanes)
+    return max(0.0, waiting - max(hb.lanes / 2, 1)) / hb.lanes
+
+
+def _in_flight_lanes(m: MemberState) -> float:
+    return m.heartbeat.lanes if m.heartbeat is not None and m.heartbeat.lanes else max(m.capacity_weight, 1.0)
+
+
+def _in_flight_load(m: MemberState, weights: RoutingWeights) -> float:
+    """Load judged from our own open requests only: lanes from the last heartbeat, else capacity_weight."""
+    return weights.ninfer_lane_weight * min(m.in_flight / _in_flight_lanes(m), 1.0)
+
+
+def _in_flight_term(m: MemberState, weights: RoutingWeights) -> float:
+    """The cost of our open requests on a no-signal member: like laneP, but without the cap at 1, so a
+    cached prefix can attract only a bounded number of extra requests (no herding)."""
+    return weights.ninfer_lane_weight * m.in_flight / _in_flight_lanes(m)
+
+
+def _exclusion(m: MemberState, prompt_tokens: int) -> str | None:
+    if m.is_down:
+        return "down"
+    if m.heartbeat is not None and m.heartbeat.state in _NOT_ROUTABLE:
+        return m.heartbeat.state
+    max_context = m.max_context or (m.heartbeat.max_context if m.heartbeat is not None else None)
+    if max_context and prompt_tokens > max_context:
+        return "context"
+    return None
+
+
+def _is_stale(m: MemberState, now_s: float, weights: RoutingWeights) -> bool:
+    if m.heartbeat is None:  # a member without telemetry: nothing to go stale (scored by in-flight)
+        return False
+    return m.received_s is None or now_s - m.received_s > weights.stale_after_s
+
+
+def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberState], request: RouteRequest,
+         affinity: AffinityTable | None, pins: PinTable | None, now_s: float,
+         rng: random.Random | None = None) -> Pick:
+    """Choose a member for one request (docs/routing.md §3). Reads the tables, never writes them.
+
+    ``rng`` is accepted so callers and the simulator share one signature; the policy is deterministic
+    and draws nothing from it (ties: larger capacity_weight, then the lower member id).
+    """
+    del rng
+    excluded = {m.member_id: _exclusion(m, request.prompt_tokens) for m in members}
+    stale = {m.member_id: _is_stale(m, now_s, weights) for m in members}
+    has_fresh = any(excluded[m.member_id] is None and not stale[m.member_id] for m in members)
+    eligible = [m for m in members if excluded[m.member_id] is None and not (has_fresh and stale[m.member_id])]
+
+    hits: dict[str, AffinityHit] = {}
+    if policy.cache_affinity and affinity is not None and request.prefix_keys and eligible:
+        hits = affinity.lookup_members(request.prefix_keys, now_s)
+    pinned = pins.get(request.session_key, now_s) if pins is not None and request.session_key else None
+    max_capacity = max((m.capacity_weight for m in eligible), default=1.0)
+
+    sheets: dict[str, Candidate] = {}
+    for m in members:
+        mid = m.member_id
+        age_s = now_s - m.received_s if m.heartbeat is not None and m.received_s is not None else None
+        reason = excluded[mid] or ("stale" if has_fresh and stale[mid] else None)
+        if reason is not None:
+            sheets[mid] = Candidate(mid, None, 0.0, None, in_flight=m.in_flight, age_s=age_s,
+                                    is_stale=stale[mid], excluded=reason)
+            continue
+        booked = unseen_bookings(m)
+        basis: Basis
+        in_flight_term = 0.0
+        if stale[mid]:
+            basis, load = "in_flight_only", _in_flight_load(m, weights)
+        else:
+            score = None if m.heartbeat is None else load_score(m.engine_kind, m.heartbeat, m.previous, booked,
+                                                                 weights)
+            if score is None:  # no signal: load 0.0 (overflow never triggers), spread by our in-flight
+                basis, load, in_flight_term = "no_signal", 0.0, _in_flight_term(m, weights)
+            else:
+                basis, load = "heartbeat", score
+        hit = hits.get(mid)
+        saving, guarded = 0.0, False
+        if hit is not None:
+            if load < policy.affinity_busy_guard:
+                saving = policy.affinity_weight * min(hit.prefix_chars / policy.affinity_full_chars, 1.0)
+            else:
+                guarded = True
+        is_busy = load >= policy.overflow_threshold
+        pin = 0.0
+        if mid == pinned and not is_busy:
+            pin = policy.sticky_bias * (1.0 if request.is_session_header else policy.api_key_sticky)
+        capacity_term = policy.capacity_bias * m.capacity_weight / max_capacity
+        backlog = policy.backlog_weight * _backlog(m, booked) if basis == "heartbeat" else 0.0
+        prefill = policy.prefill_weight * policy.affinity_weight * m.pending_prefill_chars / policy.affinity_full_chars
+        cost = load + in_flight_term + backlog + prefill - saving - pin - capacity_term
+        sheets[mid] = Candidate(
+            mid, basis, load, cost, booked=booked, in_flight=m.in_flight, in_flight_term=in_flight_term,
+            affinity_depth=hit.depth if hit else 0, affinity_chars=hit.prefix_chars if hit else 0,
+            affinity_saving=saving, affinity_guarded=guarded, pin=pin, capacity_term=capacity_term,
+            backlog=backlog, pending_prefill=prefill, age_s=age_s, is_stale=stale[mid], is_busy=is_busy,
+        )
+
+    candidates = tuple(sheets[m.member_id] for m in members)
+    pin_broken: Literal["busy", "down"] | None = None
+    if pinned is not None:
+        sheet = sheets.get(pinned)
+        if sheet is None or sheet.excluded is not None:
+            pin_broken = "down"
+        elif sheet.is_busy:
+            pin_broken = "busy"
+    if not eligible:
+        only_context = bool(members) and all(c.excluded == "context" for c in candidates if c.excluded)
+        reason: Reason = "no_member_fits_context" if only_context else "no_live_member"
+        return Pick(None, reason, (), candidates, pinned, pin_broken)
+
+    capacity = {m.member_id: m.capacity_weight for m in eligible}
+
+    def order(c: Candidate) -> tuple[bool, float, float, float, str]:
+        # not busy before busy (overflow); then cost, our in-flight share, bigger capacity, lower id
+        assert c.cost is not None
+        return (c.is_busy, c.cost, c.in_flight / capacity[c.member_id], -capacity[c.member_id], c.member_id)
+
+    ranked = tuple(sorted((sheets[m.member_id] for m in eligible), key=order))
+    winner = ranked[0]
+    if pin_broken is not None:
+        reason = "pin_broken_busy" if pin_broken == "busy" else "pin_broken_down"
+    elif len(ranked) == 1:
+        reason = "only_member"
+    elif winner.basis == "in_flight_only":
+        reason = "in_flight_only"
+    elif winner.is_busy:
+        reason = "overflow"
+    elif winner.pin > 0:
+        reason = "pinned"
+    elif winner.affinity_saving > 0:
+        reason = "affinity"
+    else:
+        reason = "least_loaded"
+    return Pick(winner.member_id, reason, tuple(c.member_id for c in ranked), candidates, pinned, pin_broken)
+
+
+def record_route(policy: PoolPolicy, request: RouteRequest, pick_: Pick, served_by: str,
+                 affinity: AffinityTable | None, pins: PinTable | None, now_s: float) -> None:
+    """After ``served_by`` (the pick, or a failover member from ``pick_.ranked``) accepted the request.
+
+    Records every prefix depth for ``served_by`` (it now holds them) and keeps the session pinned: an
+    honoured pin stays where it was (even if a cheaper member won this time, the pin is only broken by
+    busy or down); a broken, missing or failed-over pin moves to ``served_by``.
+    """
+    if policy.cache_affinity and affinity is not None and request.prefix_keys:
+        affinity.record(request.prefix_keys, served_by, now_s)
+    if pins is None or not request.session_key:
+        return
+    keep = pick_.pinned_member is not None and pick_.pin_broken is None and served_by == pick_.member_id
+    pins.pin(request.session_key, pick_.pinned_member if keep and pick_.pinned_member else served_by, now_s)
