@@ -40,6 +40,13 @@ class AccountingStats:
     poison_messages: int = 0
 
 
+def _raise_if_cancelling() -> None:
+    """nats-py's fetch can turn our cancellation into a TimeoutError; do not swallow a shutdown."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dt.datetime | dt.date):
         return value.isoformat()
@@ -83,10 +90,12 @@ class AccountingService:
             try:
                 msgs = await psub.fetch(self.config.batch_size, timeout=self.config.fetch_timeout_s)
             except (NatsTimeout, TimeoutError):  # nats-py raises either on an empty fetch
+                _raise_if_cancelling()
                 continue
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # bus trouble (reconnecting, …): nothing is acked, so nothing is lost
+                _raise_if_cancelling()
                 log.warning("usage fetch failed: %s; retrying", exc)
                 await asyncio.sleep(1.0)
                 continue

@@ -21,6 +21,7 @@ class MemberRecord:
     received_s: float | None = None
     routed_total: int = 0
     in_flight: int = 0
+    pending_prefill_chars: int = 0
     down_until_s: float = 0.0
     load_history: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=HISTORY_POINTS))
 
@@ -67,6 +68,15 @@ class Fleet:
         rec = self.record(member_id)
         rec.routed_total += 1
         rec.in_flight += 1
+
+    def unbook(self, member_id: str) -> None:
+        """The member refused before admitting (429, connect error): it will never count this one."""
+        rec = self.record(member_id)
+        rec.routed_total = max(0, rec.routed_total - 1)
+
+    def add_pending_prefill(self, member_id: str, chars: int) -> None:
+        rec = self.record(member_id)
+        rec.pending_prefill_chars = max(0, rec.pending_prefill_chars + chars)
 
     def release(self, member_id: str) -> None:
         rec = self.record(member_id)

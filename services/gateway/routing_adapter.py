@@ -1,78 +1,153 @@
-"""The seam between the gateway's I/O shell and the pure router: builds the router's member states
-from the fleet and pool config, asks it for a ranking, and keeps its affinity and pin tables."""
+"""The seam between the gateway's I/O shell and the pure router (routing.py, affinity.py).
+
+Builds the router's member states from the fleet and the pool config, asks for a ranking, records
+successful routes into the affinity and pin tables, and persists those tables across restarts
+(``DATA_DIR/routing/*.json``, atomic writes). All times here are wall-clock seconds, so persisted
+entries keep their age across a restart.
+"""
 
 from __future__ import annotations
 
+import logging
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from proto import SlotHeartbeat
 from services.common import openai_api
-from services.gateway import router
+from services.common.pool_config import MetricsConfig, PoolConfig
+from services.common.runtime import atomic_write_text
+from services.gateway import routing
+from services.gateway.affinity import AffinityTable, PinTable, prefix_hashes
 from services.gateway.fleet import Fleet
 from services.gateway.pools import MemberRef, ResolvedPool
+
+log = logging.getLogger(__name__)
+
+CHARS_PER_TOKEN = 4  # a rough prompt-size estimate for the max_context filter; the engine checks exactly
 
 
 @dataclass(frozen=True)
 class Decision:
-    reason: str
-    ranked: tuple[str, ...]
-    candidates: tuple[Any, ...]
+    pick: routing.Pick
+    request: routing.RouteRequest
+    policy: routing.PoolPolicy
+
+    @property
+    def reason(self) -> str:
+        return self.pick.reason
+
+    @property
+    def ranked(self) -> tuple[str, ...]:
+        return self.pick.ranked
+
+    def affinity_chars(self, member_id: str) -> int:
+        for c in self.pick.candidates:
+            if c.member_id == member_id:
+                return c.affinity_chars
+        return 0
 
     def explain(self) -> dict[str, Any]:
-        return {"reason": self.reason, "ranked": list(self.ranked),
-                "candidates": [c.__dict__ if hasattr(c, "__dict__") else c for c in self.candidates]}
+        return {
+            "member": self.pick.member_id, "reason": self.pick.reason, "ranked": list(self.pick.ranked),
+            "pinned_member": self.pick.pinned_member, "pin_broken": self.pick.pin_broken,
+            "candidates": [asdict(c) for c in self.pick.candidates],
+        }
+
+
+def policy_for(pool: PoolConfig) -> routing.PoolPolicy:
+    return routing.PoolPolicy(overflow_threshold=pool.overflow_threshold, cache_affinity=pool.cache_affinity,
+                              sticky_bias=pool.sticky_bias, capacity_bias=pool.capacity_bias)
+
+
+def weights_for(metrics: MetricsConfig, stale_after_s: float) -> routing.RoutingWeights:
+    return routing.RoutingWeights(ninfer_lane_weight=metrics.ninfer_lane_weight,
+                                  ninfer_queue_weight=metrics.ninfer_queue_weight,
+                                  ninfer_pressure_weight=metrics.ninfer_pressure_weight,
+                                  stale_after_s=stale_after_s)
 
 
 class Router:
-    def __init__(self, data_dir: Path | None) -> None:
-        self.data_dir = data_dir
+    def __init__(self, data_dir: Path | None, now_s: float, max_entries: int = 100_000) -> None:
+        self.dir = data_dir / "routing" if data_dir is not None else None
+        self.affinity = AffinityTable(max_entries=max_entries)
+        self.pins = PinTable(max_entries=max_entries)
+        self.weights = routing.RoutingWeights()
+        if self.dir is not None:
+            self._load(now_s)
 
-    def load_of(self, hb: SlotHeartbeat, previous: SlotHeartbeat | None) -> float:
-        return router.load_score(hb, previous)
+    def _load(self, now_s: float) -> None:
+        assert self.dir is not None
+        for name, cls in (("affinity.json", AffinityTable), ("pins.json", PinTable)):
+            path = self.dir / name
+            if not path.exists():
+                continue
+            try:
+                table = cls.from_json(path.read_text(), now_s)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring unreadable %s (%s); starting with an empty table", path, exc)
+                continue
+            setattr(self, "affinity" if cls is AffinityTable else "pins", table)
+        log.info("routing tables restored: %d affinity entries", len(self.affinity))
 
-    def _states(self, resolved: ResolvedPool, fleet: Fleet, now_s: float) -> list[router.MemberState]:
+    def save(self, now_s: float) -> None:
+        if self.dir is None:
+            return
+        atomic_write_text(self.dir / "affinity.json", self.affinity.to_json(now_s))
+        atomic_write_text(self.dir / "pins.json", self.pins.to_json(now_s))
+
+    def load_of(self, kind: str, hb: SlotHeartbeat, previous: SlotHeartbeat | None) -> float | None:
+        return routing.load_score(kind, hb, previous, 0, self.weights)
+
+    def _states(self, resolved: ResolvedPool, fleet: Fleet, now_s: float) -> list[routing.MemberState]:
         out = []
         for ref in resolved.members:
             rec = fleet.record(ref.member_id)
-            if rec.heartbeat is None or rec.received_s is None or fleet.is_down(ref.member_id, now_s):
-                continue
-            out.append(router.MemberState(ref.member_id, rec.heartbeat, rec.previous, rec.received_s,
-                                          rec.routed_total, fleet.admitted(ref.member_id), rec.in_flight))
+            hb = rec.heartbeat
+            out.append(routing.MemberState(
+                member_id=ref.member_id, engine_kind=hb.engine_kind if hb else "stock",
+                capacity_weight=ref.capacity_weight, max_context=ref.max_context, heartbeat=hb,
+                previous=rec.previous, received_s=rec.received_s, routed_total=rec.routed_total,
+                admitted=fleet.admitted(ref.member_id), in_flight=rec.in_flight,
+                is_down=fleet.is_down(ref.member_id, now_s), pending_prefill_chars=rec.pending_prefill_chars,
+            ))
         return out
 
     def decide(self, resolved: ResolvedPool, parsed: openai_api.ParsedRequest, session_key: str | None,
-               fleet: Fleet, now_s: float, stale_after_s: float, rng: random.Random) -> Decision:
-        states = self._states(resolved, fleet, now_s)
-        pick = router.pick_member(states, now_s, stale_after_s)
-        order = sorted(pick.candidates, key=lambda c: c.score)
-        return Decision(pick.reason, tuple(c.worker_id for c in order), pick.candidates)
+               is_session_header: bool, fleet: Fleet, now_s: float, weights: routing.RoutingWeights,
+               rng: random.Random) -> Decision:
+        policy = policy_for(resolved.pool)
+        messages = parsed.generate.messages
+        keys = prefix_hashes(messages) if messages and policy.cache_affinity else ()
+        chars = sum(len(m.content) for m in messages) if messages else len(parsed.generate.prompt or "")
+        request = routing.RouteRequest(session_key=session_key, is_session_header=is_session_header,
+                                       prefix_keys=keys, prompt_tokens=chars // CHARS_PER_TOKEN)
+        self.weights = weights
+        pick = routing.pick(policy, weights, self._states(resolved, fleet, now_s), request, self.affinity,
+                            self.pins, now_s, rng)
+        return Decision(pick, request, policy)
 
-    def record_success(self, resolved: ResolvedPool, parsed: openai_api.ParsedRequest, session_key: str | None,
-                       member_id: str, now_s: float) -> None:
-        pass
+    def record_success(self, decision: Decision, member_id: str, now_s: float) -> None:
+        routing.record_route(decision.policy, decision.request, decision.pick, member_id, self.affinity,
+                             self.pins, now_s)
 
     def describe_member(self, resolved: ResolvedPool, ref: MemberRef, fleet: Fleet, now_s: float,
                         stale_after_s: float) -> dict[str, Any]:
         rec = fleet.record(ref.member_id)
         hb = rec.heartbeat
-        age = None if rec.received_s is None else now_s - rec.received_s
+        age = None if rec.received_s is None else max(0.0, now_s - rec.received_s)
         queried = hb.prompt_tokens_queried_total if hb else None
+        load = self.load_of(hb.engine_kind, hb, rec.previous) if hb else None
         return {
-            "pool": resolved.pool.name, "member_id": ref.member_id, "backend": ref.backend, "kind": ref.kind,
+            "pool": resolved.pool.name, "member_id": ref.member_id, "backend": ref.backend, "transport": ref.kind,
             "engine_kind": hb.engine_kind if hb else None, "state": hb.state if hb else "unknown",
             "lanes": hb.lanes if hb else None, "running": hb.running if hb else None,
             "waiting": hb.waiting if hb else None, "kv_usage": hb.kv_usage if hb else None,
-            "load_score": self.load_of(hb, rec.previous) if hb else None,
-            "no_signal": hb is None or not hb.lanes,
+            "load_score": load, "no_signal": load is None,
             "load_history": list(rec.load_history), "heartbeat_age_s": age,
             "stale": age is None or age > stale_after_s, "in_flight": rec.in_flight,
             "energy_today_wh": hb.energy_today_wh if hb else None,
             "cache_hit_pct": (100.0 * (hb.prompt_tokens_hit_total or 0) / queried) if hb and queried else None,
             "capacity_weight": ref.capacity_weight, "down": fleet.is_down(ref.member_id, now_s),
         }
-
-    def save(self) -> None:
-        pass

@@ -29,7 +29,7 @@ from services.common import openai_api, openai_stream, pool_config
 from services.common.http import HTTPError, error_middleware, read_json_object
 from services.common.prom import E2E_BUCKETS_S, Histogram, PromText
 from services.common.runtime import ConfigError, new_session_id
-from services.gateway import bus_backend, pools, routing_adapter
+from services.gateway import bus_backend, pools, routing, routing_adapter
 from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend, MemberUnavailable
 from services.gateway.openapi import document as openapi_document
@@ -91,7 +91,7 @@ class GatewayService:
         self.session_id = new_session_id()
         self.file_config = file_config or pool_config.GatewayFileConfig()
         self.fleet = Fleet(config.gateway_id)
-        self.router = routing_adapter.Router(config.data_dir)
+        self.router = routing_adapter.Router(config.data_dir, time.time())
         self.metrics = GatewayMetrics()
         self.http = HttpBackend(first_byte_timeout_s=config.first_chunk_timeout_s,
                                 request_timeout_s=self.file_config.limits.request_timeout_s)
@@ -111,6 +111,7 @@ class GatewayService:
         async with self.http, asyncio.TaskGroup() as tasks:
             background = [tasks.create_task(self._publish_usage(), name="usage-publisher"),
                           tasks.create_task(self._resend_spooled(), name="usage-resend")]
+            background.append(tasks.create_task(self._save_routing_tables(), name="routing-tables"))
             if self.config.config_path is not None:
                 self._config_mtime = _mtime(self.config.config_path)
                 background.append(tasks.create_task(self._watch_config(), name="config-watch"))
@@ -119,7 +120,7 @@ class GatewayService:
             finally:
                 await sub.unsubscribe()
                 await self._flush_usage(timeout_s=5.0)
-                self.router.save()
+                self.router.save(time.time())
                 for task in background:
                     task.cancel()
 
@@ -131,13 +132,13 @@ class GatewayService:
         except Exception as exc:  # empty bucket raises NoKeysError; a missing one NotFound
             log.debug("no known workers in KV: %s", exc)
             return
-        now_mono, now_wall = time.monotonic(), time.time()
+        now = time.time()
         for key in keys:
             with contextlib.suppress(Exception):
                 entry = await kv.get(key)
                 if entry.value:
                     hb = decode(entry.value, SlotHeartbeat)
-                    self.fleet.observe(hb, now_mono - max(0.0, now_wall - hb.ts_s))
+                    self.fleet.observe(hb, min(now, hb.ts_s))  # as old as the engine says it is
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -145,10 +146,20 @@ class GatewayService:
         except ProtoDecodeError as exc:
             log.warning("dropped heartbeat on %s: %s", msg.subject, exc.reason)
             return
-        now = time.monotonic()
+        now = time.time()
         if self.fleet.observe(hb, now):
             rec = self.fleet.members[hb.worker_id]
-            rec.load_history.append(self.router.load_of(hb, rec.previous))
+            load = self.router.load_of(hb.engine_kind, hb, rec.previous)
+            if load is not None:
+                rec.load_history.append(round(load, 3))
+
+    async def _save_routing_tables(self) -> None:
+        while True:
+            await asyncio.sleep(30.0)
+            try:
+                await asyncio.to_thread(self.router.save, time.time())
+            except OSError as exc:
+                log.warning("routing tables not saved: %s", exc)
 
     async def _watch_config(self) -> None:
         """Reload the pools file when it changes; a broken file keeps the old config and says why."""
@@ -282,7 +293,7 @@ class GatewayService:
         return web.json_response(openapi_document())
 
     def backends_view(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
+        now = time.time()
         rows = []
         seen: set[str] = set()
         names = list(self.file_config.pools) + [n for n in pools.model_names(self.file_config, self.fleet)
@@ -334,9 +345,13 @@ class GatewayService:
         body = await read_json_object(request)
         parsed = self._parse(body, "chat.completions" if "messages" in body else "completions")
         resolved = self._resolve(parsed.model)
-        decision = self.router.decide(resolved, parsed, self._session_key(request, None), self.fleet,
-                                      time.monotonic(), self.config.stale_after_s, self.rng)
+        session_key, is_header = self._session_key(request, None)
+        decision = self.router.decide(resolved, parsed, session_key, is_header, self.fleet, time.time(),
+                                      self._weights(), self.rng)
         return web.json_response(decision.explain())
+
+    def _weights(self) -> routing.RoutingWeights:
+        return routing_adapter.weights_for(self.file_config.metrics, self.config.stale_after_s)
 
     @staticmethod
     def _parse(body: dict[str, Any], endpoint: str) -> openai_api.ParsedRequest:
@@ -359,8 +374,10 @@ class GatewayService:
         return resolved
 
     @staticmethod
-    def _session_key(request: web.Request, api_key_id: str | None) -> str | None:
-        return request.headers.get("X-Session-Id") or api_key_id
+    def _session_key(request: web.Request, api_key_id: str | None) -> tuple[str | None, bool]:
+        """X-Session-Id, else the API key id (a weaker hint); the flag says which."""
+        header = request.headers.get("X-Session-Id")
+        return (header, True) if header else (api_key_id, False)
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         body = await read_json_object(request)
@@ -384,12 +401,15 @@ class GatewayService:
     async def _forward(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
                        resolved: pools.ResolvedPool, request_id: str, api_key_id: str | None,
                        outcome: _Outcome) -> web.StreamResponse:
-        now = time.monotonic()
-        session_key = self._session_key(request, api_key_id)
-        decision = self.router.decide(resolved, parsed, session_key, self.fleet, now, self.config.stale_after_s,
-                                      self.rng)
+        session_key, is_header = self._session_key(request, api_key_id)
+        decision = self.router.decide(resolved, parsed, session_key, is_header, self.fleet, time.time(),
+                                      self._weights(), self.rng)
         self.metrics.decisions[decision.reason] += 1
+        if decision.reason == "no_member_fits_context":
+            raise HTTPError(400, f"the prompt is longer than any member of '{parsed.model}' accepts",
+                            code="context_length_exceeded", param="messages")
         refs = {r.member_id: r for r in resolved.members}
+        prompt_chars = decision.request.prompt_tokens * routing_adapter.CHARS_PER_TOKEN
         last_error: HTTPError | None = None
         for attempt, member_id in enumerate(decision.ranked):
             ref = refs[member_id]
@@ -397,27 +417,32 @@ class GatewayService:
                 continue  # our engines do not serve embeddings
             outcome.member_id = member_id
             outcome.routing_reason = decision.reason if attempt == 0 else f"failover:{decision.reason}"
+            pending = max(0, prompt_chars - decision.affinity_chars(member_id))
             self.fleet.book(member_id)
+            self.fleet.add_pending_prefill(member_id, pending)
+            first_byte = _Once(lambda m=member_id, p=pending: self.fleet.add_pending_prefill(m, -p))
             try:
                 if ref.kind == "bus":
-                    response = await self._via_bus(request, parsed, ref, request_id, api_key_id, outcome)
+                    response = await self._via_bus(request, parsed, ref, request_id, api_key_id, outcome, first_byte)
                 else:
-                    response = await self._via_http(request, body, parsed, ref, request_id, outcome)
+                    response = await self._via_http(request, body, parsed, ref, request_id, outcome, first_byte)
             except (bus_backend.WorkerUnavailable, MemberUnavailable) as exc:
+                self.fleet.unbook(member_id)
                 error = getattr(exc, "error", None)
                 if error is not None and error.status < 500:
                     if error.status in (400, 413):
                         raise error from None  # about the request itself: another member would say the same
                     last_error = error  # e.g. 429 queue full: try the next member, report this if none
                 else:
-                    self.fleet.mark_down(member_id, time.monotonic())
+                    self.fleet.mark_down(member_id, time.time())
                 log.warning("member %s unavailable for %s: %s", member_id, request_id, exc)
                 self.metrics.failovers[member_id] += 1
                 continue
             finally:
+                first_byte()
                 self.fleet.release(member_id)
             if outcome.status == "ok":
-                self.router.record_success(resolved, parsed, session_key, member_id, time.monotonic())
+                self.router.record_success(decision, member_id, time.time())
                 if decision.reason == "affinity":
                     self.metrics.affinity_hits += 1
             return response
@@ -442,14 +467,15 @@ class GatewayService:
         return on_error
 
     async def _via_bus(self, request: web.Request, parsed: openai_api.ParsedRequest, ref: pools.MemberRef,
-                       request_id: str, api_key_id: str | None, outcome: _Outcome) -> web.StreamResponse:
+                       request_id: str, api_key_id: str | None, outcome: _Outcome,
+                       first_byte: Callable[[], None]) -> web.StreamResponse:
         generate = msgspec.structs.replace(parsed.generate, request_id=request_id, model=ref.model_id,
                                            gateway_id=self.config.gateway_id, api_key_id=api_key_id)
         stream = await bus_backend.start(self.nc, ref.member_id, generate, self.config.first_chunk_timeout_s,
                                          self.config.chunk_timeout_s)
         try:
-            return await openai_stream.respond(request, parsed, request_id, stream.chunks(),
-                                               self._on_final(outcome), self._on_error(outcome))
+            return await openai_stream.respond(request, parsed, request_id, _notify_first_text(stream.chunks(),
+                                               first_byte), self._on_final(outcome), self._on_error(outcome))
         except (asyncio.CancelledError, ConnectionResetError):
             await bus_backend.cancel(self.nc, ref.member_id, request_id)  # the client went away
             raise
@@ -457,13 +483,34 @@ class GatewayService:
             await stream.close()
 
     async def _via_http(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
-                        ref: pools.MemberRef, request_id: str, outcome: _Outcome) -> web.StreamResponse:
+                        ref: pools.MemberRef, request_id: str, outcome: _Outcome,
+                        first_byte: Callable[[], None]) -> web.StreamResponse:
         assert ref.config is not None
         resp = await self.http.open(ref.config, parsed.endpoint, body, parsed.stream, {"X-Request-Id": request_id})
         response, result = await self.http.relay(request, resp, parsed.stream, parsed.include_usage, request_id,
-                                                 on_first_byte=lambda: None)
+                                                 on_first_byte=first_byte)
         outcome.usage, outcome.finish_reason, outcome.ttft_ms = result.usage, result.finish_reason, result.ttft_ms
         return response
+
+
+class _Once:
+    """Call ``fn`` the first time this is called, never again."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+
+async def _notify_first_text(chunks: AsyncIterator[TokenChunk], first: Callable[[], None]
+                             ) -> AsyncIterator[TokenChunk]:
+    async for chunk in chunks:
+        if chunk.text or chunk.is_final:
+            first()
+        yield chunk
 
 
 def _mtime(path: Path) -> float | None:

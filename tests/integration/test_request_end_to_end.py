@@ -108,16 +108,17 @@ async def test_context_overflow_is_a_400_with_the_openai_code(stack: Stack) -> N
     assert rows == [("error", 400, "context_length_exceeded")]
 
 
-async def test_no_live_engine_answers_503_with_retry_after(stack: Stack) -> None:
-    stack.gateway.fleet.workers["w1"].received_s -= 60  # the only worker's heartbeat is now stale
-    stack.gateway.config.__dict__  # frozen config stays as is
-    # a stale heartbeat is refreshed by the worker within 0.2 s, so assert on the router directly
-    import time
+async def test_a_pool_with_no_live_member_answers_503_with_retry_after(stack: Stack) -> None:
+    from services.common import pool_config
 
-    from services.gateway.router import pick_member
-
-    pick = pick_member(stack.gateway.fleet.members_for("tiny"), time.monotonic(), 3.0)
-    assert pick.worker_id is None and pick.reason == "no_live_member"
+    stack.gateway.file_config = pool_config.parse({"model_pools": {"ghost": {"members": [
+        {"model_id": "ghost", "backend": "bus:nobody-home"}]}}})
+    async with aiohttp.ClientSession() as http, http.post(
+        stack.base_url + "/v1/chat/completions", json={"model": "ghost", "messages": [{"role": "user", "content": "x"}]}
+    ) as resp:
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "5"
+        assert (await resp.json())["error"]["code"] == "no_backend_available"
 
 
 def test_ledger_insert_is_idempotent_by_request_id(tmp_path) -> None:  # type: ignore[no-untyped-def]
