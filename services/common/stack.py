@@ -137,6 +137,7 @@ async def run(args: argparse.Namespace) -> None:
             ready.cancel()
             raise StackError(f"{dead.name} exited during start-up (code {dead.proc.returncode}); see its log above")  # type: ignore[union-attr]
         gateway_url = children[-1].ready.result().removeprefix("listening on ").strip()
+        await _wait_for_model(gateway_url, model_id)
         write_stack_file(data, {"nats_url": url, "gateway_url": gateway_url, "model_id": model_id,
                                 "pid": os.getpid()})
         stack.callback(lambda: (data / "stack.json").unlink(missing_ok=True))
@@ -162,6 +163,24 @@ async def _supervise(waits: dict[asyncio.Future[int], Child]) -> None:
             await child.start()
             assert child.proc is not None
             waits[asyncio.ensure_future(child.proc.wait())] = child
+
+
+async def _wait_for_model(gateway_url: str, model_id: str, timeout_s: float = 60.0) -> None:
+    """The banner promises a working curl: wait until the gateway has seen the engine's heartbeat."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with http.get(f"{gateway_url}/v1/models") as resp:
+                            if model_id in {m["id"] for m in (await resp.json()).get("data", [])}:
+                                return
+                    await asyncio.sleep(0.1)
+        except TimeoutError:
+            raise StackError(f"the gateway did not see the engine serving {model_id!r} "
+                             f"within {timeout_s:.0f}s") from None
 
 
 def _banner(gateway_url: str, model_id: str, nats_url: str, data: Path) -> str:
