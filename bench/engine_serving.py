@@ -97,7 +97,8 @@ async def drive(url: str, prompts: list[str], concurrency: int, max_tokens: int,
         nonlocal total
         while queue:
             prompt = queue.pop()
-            total += await one_stream(http, url, prompt, max_tokens, ttft, itl)
+            n = await one_stream(http, url, prompt, max_tokens, ttft, itl)
+            total += n  # not `total += await …`: that reads `total` before the await and loses updates
             bar.update(1)
 
     timeout = aiohttp.ClientTimeout(total=3600)

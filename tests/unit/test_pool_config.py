@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.runtime import ConfigError
 from services.common.pool_config import load, member_id_for, parse
+from services.common.runtime import ConfigError
 
 GOOD = {
     "model_pools": {
