@@ -322,13 +322,15 @@ class GatewayService:
         for member, n in sorted(self.metrics.failovers.items()):
             m.counter("llmgw_failovers_total", "Members skipped after a failure.", n, {"member": member})
         m.counter("llmgw_affinity_hits_total", "Requests routed by cache affinity.", self.metrics.affinity_hits)
-        for row in self.backends_view():
-            labels = {"pool": row["pool"], "member": row["member_id"]}
-            m.gauge("llmgw_member_load_score", "Load score the router uses (0..1).", row["load_score"], labels)
-            m.gauge("llmgw_member_heartbeat_age_seconds", "Age of the member's newest heartbeat.",
-                    row["heartbeat_age_s"], labels)
-            m.gauge("llmgw_member_in_flight", "This gateway's open requests on the member.", row["in_flight"],
-                    labels)
+        rows = self.backends_view()
+        # one family at a time: the exposition format wants each family's samples as one group
+        for name, key, help_text in (
+            ("llmgw_member_load_score", "load_score", "Load score the router uses (0..1)."),
+            ("llmgw_member_heartbeat_age_seconds", "heartbeat_age_s", "Age of the member's newest heartbeat."),
+            ("llmgw_member_in_flight", "in_flight", "This gateway's open requests on the member."),
+        ):
+            for row in rows:
+                m.gauge(name, help_text, row[key], {"pool": row["pool"], "member": row["member_id"]})
         return web.Response(text=m.render(), content_type="text/plain", charset="utf-8")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
