@@ -1,0 +1,40 @@
+"""The pools file is reloaded on change; a broken file keeps the old config."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from services.common import pool_config
+from services.gateway import pools
+from services.gateway.service import GatewayConfig, GatewayService
+from tests.integration.conftest import wait_for
+
+
+def pool_file(path: Path, name: str, mtime: float) -> None:
+    path.write_text(json.dumps({"model_pools": {name: {"members": [
+        {"model_id": name, "backend": "http://127.0.0.1:9"}]}}}))
+    os.utime(path, (mtime, mtime))  # a distinct mtime even within one filesystem tick
+
+
+async def test_a_changed_pools_file_is_reloaded_and_a_broken_one_is_refused(nc, tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.ERROR, logger="services.gateway.service")
+    path = tmp_path / "pools.json"
+    pool_file(path, "first", 1_000_000)
+    gateway = GatewayService(nc, GatewayConfig(gateway_id="gw", port=0, data_dir=tmp_path, config_path=path,
+                                               config_poll_s=0.05), pool_config.load(path))
+
+    def names() -> list[str]:
+        return pools.model_names(gateway.file_config, gateway.fleet)
+
+    async with gateway.running():
+        assert names() == ["first"]
+        pool_file(path, "second", 1_000_100)
+        await wait_for(lambda: names() == ["second"], timeout_s=5)
+        path.write_text('{"model_pools": {"third": {"members": []}}}')  # invalid: no members
+        os.utime(path, (1_000_200, 1_000_200))
+        await wait_for(lambda: "kept the previous config" in caplog.text, timeout_s=5)
+        assert "model_pools.third.members" in caplog.text  # the log names the key
+        assert names() == ["second"]  # the old config stays in force
