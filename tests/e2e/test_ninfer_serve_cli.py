@@ -6,11 +6,11 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.e2e.procs import REPO, Followed
+
 RUNBOOK_FLAGS = ["--host", "127.0.0.1", "--port", "0", "--model-id", "qwen3.8-27b", "--max-context", "2048",
                  "--kv-dtype", "fp8", "--max-concurrency", "8", "--max-pending-requests", "64",
                  "--preserve-thinking", "--electricity-rate", "0.125"]
@@ -23,26 +23,12 @@ def test_convert_then_serve_the_single_file_artifact_with_the_runbook_flags(tiny
                           str(artifact)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     state = tmp_path / "metrics-state.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.engine", str(artifact), *RUNBOOK_FLAGS, "--metrics-state", str(state),
-         "--data-dir", str(tmp_path / "data")],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "llmgw engine ready:" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    served = Followed([sys.executable, "-m", "services.engine", str(artifact), *RUNBOOK_FLAGS, "--metrics-state",
+                       str(state), "--data-dir", str(tmp_path / "data")], marker="llmgw engine ready:")
+    proc = served.proc
     try:
-        assert ready.wait(60), "".join(lines)
-        url = next(line for line in lines if "ready:" in line).split("listening on ")[1].split()[0]
-        log = "".join(lines)
+        url = served.wait_ready(60).split("listening on ")[1].split()[0]
+        log = served.output
         assert "free RAM" in log and "KV capacity" in log and "lanes 8" in log and "queue 64" in log
         with urllib.request.urlopen(url + "/v1/models") as r:
             card = json.load(r)["data"][0]
@@ -55,7 +41,7 @@ def test_convert_then_serve_the_single_file_artifact_with_the_runbook_flags(tiny
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-    assert proc.returncode == 0, "".join(lines[-20:])
+    assert proc.returncode == 0, served.output[-2000:]
     assert json.loads(state.read_text())["persisted_output_tokens"] == 3  # written at shutdown
 
 

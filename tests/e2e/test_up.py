@@ -6,14 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import openai
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.e2e.procs import REPO, Followed
 
 
 def _children_of(pid: int) -> list[int]:
@@ -47,27 +46,11 @@ def _alive(pid: int) -> bool:
 def test_llmgw_up_serves_a_request_records_usage_and_stops_everything(tiny_model: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.common.cli", "up", "--model", str(tiny_model), "--model-id", "tiny",
-         "--port", "0", "--data-dir", str(data)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "llmgw is up." in line:
-                ready.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    stack = Followed([sys.executable, "-m", "services.common.cli", "up", "--model", str(tiny_model), "--model-id",
+                      "tiny", "--port", "0", "--data-dir", str(data)], marker="llmgw is up.", env=env)
+    proc = stack.proc
     try:
-        assert ready.wait(120), "stack did not come up:\n" + "".join(lines[-40:])
-        banner = next(line for line in lines if "llmgw is up." in line)
-        url = banner.split("Gateway: ", 1)[1].split()[0]
+        url = stack.wait_ready(120).split("Gateway: ", 1)[1].split()[0]
         children = _children_of(proc.pid)
         assert len(children) >= 5  # nats-server, accounting, telemetry, engine, gateway
 
@@ -102,8 +85,8 @@ def test_llmgw_up_serves_a_request_records_usage_and_stops_everything(tiny_model
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-    reader.join(5)
-    assert proc.returncode == 0, "".join(lines[-30:])
+    stack.reader.join(5)
+    assert proc.returncode == 0, stack.output[-3000:]
     leftovers = [pid for pid in children if _alive(pid)]
     assert leftovers == [], f"processes left running after Ctrl-C: {leftovers}"
     # After the stack stopped, the ledger is still queryable straight from the file.

@@ -1,0 +1,39 @@
+"""Run a real command and follow its output: the e2e tests' one way to start a service."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Followed:
+    """A subprocess whose combined output is collected line by line on a thread."""
+
+    def __init__(self, argv: Sequence[str], marker: str, env: dict[str, str] | None = None) -> None:
+        self.marker = marker
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.proc = subprocess.Popen(list(argv), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if self.marker in line:
+                self.ready.set()
+
+    def wait_ready(self, timeout_s: float) -> str:
+        """The line carrying the marker; fails the test with the output's tail when it never comes."""
+        assert self.ready.wait(timeout_s), f"no {self.marker!r} within {timeout_s}s:\n" + "".join(self.lines[-40:])
+        return next(line for line in self.lines if self.marker in line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
