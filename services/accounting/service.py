@@ -20,6 +20,7 @@ from nats.js.client import JetStreamContext
 
 from proto import ProtoDecodeError, UsageRecord, decode, subjects
 from services.accounting.store import LedgerThread, QueryFailed, QueryRejected
+from services.common.runtime import raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +39,6 @@ class AccountingStats:
     usage_ingested: int = 0
     usage_duplicates: int = 0
     poison_messages: int = 0
-
-
-def _raise_if_cancelling() -> None:
-    """nats-py's fetch can turn our cancellation into a TimeoutError; do not swallow a shutdown."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def _jsonable(value: Any) -> Any:
@@ -90,12 +84,12 @@ class AccountingService:
             try:
                 msgs = await psub.fetch(self.config.batch_size, timeout=self.config.fetch_timeout_s)
             except (NatsTimeout, TimeoutError):  # nats-py raises either on an empty fetch
-                _raise_if_cancelling()
+                raise_if_cancelling()
                 continue
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # bus trouble (reconnecting, …): nothing is acked, so nothing is lost
-                _raise_if_cancelling()
+                raise_if_cancelling()
                 log.warning("usage fetch failed: %s; retrying", exc)
                 await asyncio.sleep(1.0)
                 continue

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -85,3 +87,19 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
     return data
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[str]:
+    """Serve ``app`` on ``host:port`` (0 picks a free port) and yield its base URL; clean up on exit.
+
+    Handlers are cancelled when their client disconnects, so upstream work can be aborted.
+    """
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        yield f"http://{bound_host}:{bound_port}"
+    finally:
+        await runner.cleanup()

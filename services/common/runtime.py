@@ -104,3 +104,14 @@ def run_async_main(main: Any, service: str, clean_errors: tuple[type[BaseExcepti
     except (ConfigError, *clean_errors) as exc:
         print(f"llmgw {service}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def raise_if_cancelling() -> None:
+    """Re-raise a cancellation that a library or Python 3.11's ``asyncio.timeout`` turned into a
+    TimeoutError (when the deadline and the cancel land together), so a shutdown is never swallowed.
+    Call it wherever a TimeoutError is caught and the loop goes on."""
+    import asyncio
+
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -21,7 +21,7 @@ from nats.aio.client import Client
 
 from proto import EnergySample, RequestTokens, TokenChunk, encode, subjects
 from services.common import openai_api, openai_stream
-from services.common.http import HTTPError, error_middleware, read_json_object
+from services.common.http import HTTPError, error_middleware, read_json_object, serving
 from services.common.runtime import new_session_id
 from services.engine.async_engine import AsyncEngine
 from services.engine.energy import EnergyMeter, EnergyTracker, total_energy_j
@@ -226,14 +226,5 @@ class EngineService:
             stream.close()  # a client that went away aborts the request in the engine (frees its blocks)
 
 
-@contextlib.asynccontextmanager
-async def http_site(service: EngineService) -> AsyncIterator[str]:
-    runner = web.AppRunner(service.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, service.config.host, service.config.port)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
+def http_site(service: EngineService) -> contextlib.AbstractAsyncContextManager[str]:
+    return serving(service.app(), service.config.host, service.config.port)

@@ -29,7 +29,7 @@ from proto import (
     encode,
     subjects,
 )
-from services.common.runtime import new_session_id
+from services.common.runtime import new_session_id, raise_if_cancelling
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine_core import EngineCore, RequestOutput
 from services.engine.errors import (
@@ -141,12 +141,14 @@ class BusWorker:
     async def _heartbeats(self) -> None:
         """Every interval, and soon after any state change (rate-limited)."""
         while True:
-            with contextlib.suppress(TimeoutError):
+            try:
                 async with asyncio.timeout(self.config.heartbeat_interval_s):
                     await self._changed.wait()
                     spacing = MIN_HEARTBEAT_SPACING_S - (time.monotonic() - self._last_hb_s)
                     if spacing > 0:
                         await asyncio.sleep(spacing)
+            except TimeoutError:
+                raise_if_cancelling()  # a stop that landed with the deadline must still stop us
             self._changed.clear()
             try:
                 await self._publish_heartbeat()

@@ -1,7 +1,7 @@
 """Gateway: the OpenAI-compatible front door.
 
 Keeps the newest SlotHeartbeat per worker (bus subscription + the ``llm_workers`` KV bucket at
-start), routes each request to a live worker with the pure functions in :mod:`router`, streams the
+start), routes each request to the best member of its pool with the pure functions in :mod:`routing`, streams the
 engine's TokenChunks back as OpenAI responses or SSE, and publishes one UsageRecord per request to
 the ``USAGE`` stream.
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 from pathlib import Path
 
-from aiohttp import web
-
 from services.common import pool_config
 from services.common.bus import bus_session, nats_url_from_env
+from services.common.http import serving
 from services.common.runtime import (
     ConfigError,
     announce,
@@ -53,23 +53,9 @@ async def run(args: argparse.Namespace) -> None:
     file_config = pool_config.load(config.config_path) if config.config_path else None
     async with bus_session(nats_url_from_env(args.nats), f"gateway:{config.gateway_id}", data) as nc:
         service = GatewayService(nc, config, file_config)
-        async with service.running():
-            runner = web.AppRunner(service.app(), handler_cancellation=True, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, config.host, config.port)
-            await site.start()
-            try:
-                host, port = runner.addresses[0][:2]
-                announce("gateway", f"listening on http://{host}:{port}")
-                await _forever()
-            finally:
-                await runner.cleanup()
-
-
-async def _forever() -> None:
-    import asyncio
-
-    await asyncio.Event().wait()
+        async with service.running(), serving(service.app(), config.host, config.port) as url:
+            announce("gateway", f"listening on {url}")
+            await asyncio.Event().wait()  # until SIGINT/SIGTERM cancels us
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from proto import GenerateRequest, ProtoDecodeError, TokenChunk, decode, encode, subjects
 from services.common.http import HTTPError
 from services.common.openai_stream import chunk_error
+from services.common.runtime import raise_if_cancelling
 
 
 class WorkerUnavailable(Exception):
@@ -40,6 +41,7 @@ class BusStream:
             try:
                 msg = await self.sub.next_msg(timeout=self.chunk_timeout_s)
             except (NatsTimeout, TimeoutError):
+                raise_if_cancelling()
                 raise HTTPError(503, "the engine stopped responding mid-request", code="upstream_timeout",
                                 retry_after_s=5) from None
             try:
@@ -68,6 +70,7 @@ async def start(nc: Client, worker_id: str, generate: GenerateRequest, first_chu
         try:
             msg = await sub.next_msg(timeout=first_chunk_timeout_s)
         except (NatsTimeout, TimeoutError):
+            raise_if_cancelling()  # the client left: not a reason to fail over
             raise WorkerUnavailable(worker_id, "silent past the first-chunk deadline") from None
         if msg.headers and msg.headers.get("Status") == "503":
             raise WorkerUnavailable(worker_id, "no responder on its subject")

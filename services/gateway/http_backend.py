@@ -22,6 +22,7 @@ from aiohttp import web
 from proto import Usage
 from services.common.http import HTTPError
 from services.common.pool_config import MemberConfig
+from services.common.runtime import raise_if_cancelling
 
 _json = msgspec.json.Encoder()
 _RETRYABLE = frozenset({408, 500, 502, 503, 504})
@@ -92,6 +93,7 @@ class HttpBackend:
                 resp = await self.session.post(member.backend + ENDPOINT_PATHS[endpoint], data=_json.encode(upstream),
                                                headers={"Content-Type": "application/json", **headers})
         except TimeoutError:
+            raise_if_cancelling()
             raise MemberUnavailable(member.member_id, "no response within the first-byte deadline") from None
         except aiohttp.ClientError as exc:
             raise MemberUnavailable(member.member_id, f"connect failed: {exc}") from None

@@ -28,7 +28,7 @@ from proto import ProtoDecodeError, SlotHeartbeat, TokenChunk, Usage, UsageRecor
 from services.common import openai_api, openai_stream, pool_config
 from services.common.http import HTTPError, error_middleware, read_json_object
 from services.common.prom import E2E_BUCKETS_S, Histogram, PromText
-from services.common.runtime import ConfigError, new_session_id
+from services.common.runtime import ConfigError, new_session_id, raise_if_cancelling
 from services.gateway import bus_backend, pools, routing, routing_adapter
 from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend, MemberUnavailable
@@ -244,9 +244,11 @@ class GatewayService:
                 log.warning("spooled usage not delivered yet: %s", exc)
 
     async def _flush_usage(self, timeout_s: float) -> None:
-        with contextlib.suppress(TimeoutError):
+        try:
             async with asyncio.timeout(timeout_s):
                 await self._usage_queue.join()
+        except TimeoutError:
+            raise_if_cancelling()
 
     # ---- HTTP -------------------------------------------------------------------------------------
 
@@ -295,7 +297,6 @@ class GatewayService:
     def backends_view(self) -> list[dict[str, Any]]:
         now = time.time()
         rows = []
-        seen: set[str] = set()
         names = list(self.file_config.pools) + [n for n in pools.model_names(self.file_config, self.fleet)
                                                  if n not in self.file_config.pools]
         for name in names:
@@ -303,7 +304,6 @@ class GatewayService:
             if resolved is None or resolved.pool.name != name:
                 continue
             for ref in resolved.members:
-                seen.add(ref.member_id)
                 rows.append(self.router.describe_member(resolved, ref, self.fleet, now, self.config.stale_after_s))
         return rows
 

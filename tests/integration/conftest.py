@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from services.accounting.service import AccountingConfig, AccountingService
 from services.common.bus import connect
+from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine_core import EngineConfig, EngineCore
@@ -57,12 +57,7 @@ async def stack(nats_server: EmbeddedNatsServer, tiny_model: Path, tmp_path: Pat
         gateway = GatewayService(gw_nc, GatewayConfig(gateway_id="gw1", port=0, data_dir=tmp_path))
         tasks = [asyncio.create_task(worker.run()), asyncio.create_task(accounting.run())]
         await es.enter_async_context(gateway.running())
-        runner = web.AppRunner(gateway.app(), handler_cancellation=True)
-        await runner.setup()
-        es.push_async_callback(runner.cleanup)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
+        base_url = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
         await wait_for(lambda: "tiny" in pools.model_names(gateway.file_config, gateway.fleet))
 
         async def stop_tasks() -> None:
@@ -71,4 +66,4 @@ async def stack(nats_server: EmbeddedNatsServer, tiny_model: Path, tmp_path: Pat
             await asyncio.gather(*tasks, return_exceptions=True)
 
         es.push_async_callback(stop_tasks)
-        yield Stack(f"http://{host}:{port}", gateway, accounting, worker, nats_server.url)
+        yield Stack(base_url, gateway, accounting, worker, nats_server.url)

@@ -20,12 +20,15 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client.parser import text_string_to_metric_families
 
+from proto import subjects
 from services.common import pool_config
 from services.common.bus import connect, ensure_bus
+from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer
 from services.engine.async_engine import AsyncEngine
 from services.engine.energy import UnavailableMeter
@@ -205,13 +208,7 @@ async def pool(nats_server: EmbeddedNatsServer, tiny_model: Path, tmp_path: Path
                 e.worker_task = asyncio.create_task(e.worker.run())
                 tasks.append(e.worker_task)
         tasks.append(asyncio.create_task(telemetry.run()))
-        runner = web.AppRunner(gateway.app(), handler_cancellation=True)
-        await runner.setup()
-        es.push_async_callback(runner.cleanup)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        base_url = f"http://{host}:{port}"
+        base_url = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
         await wait_for(lambda: all(
             (hb := gateway.fleet.record(m).heartbeat) is not None and hb.state == "ready" and hb.model_id == "tiny"
             for m in engines))
@@ -329,6 +326,16 @@ async def test_a_worker_killed_before_the_first_byte_is_failed_over_to_another_m
     await w1.nc.close()  # a crash: no goodbye heartbeat, the subject has no responder
     w1.worker_task.cancel()
     await asyncio.gather(w1.worker_task, return_exceptions=True)
+    # Wait until the broker has dropped the dead connection's subscription (it learns of the crash a
+    # moment after the socket closes); from then on a request to w1 gets NATS' no-responders status.
+    async with asyncio.timeout(2):
+        while True:
+            try:
+                await pool.gateway.nc.request(subjects.gen("w1"), b"", timeout=0.2)
+            except NoRespondersError:
+                break
+            except NatsTimeout:
+                continue
     hb_age = time.time() - (pool.gateway.fleet.record("w1").received_s or 0)
     assert hb_age < pool.gateway.config.stale_after_s and pool.heartbeat("w1").state == "ready"
     assert (await pool.explain(_user("q"), session="sess-c"))["member"] == "w1"  # the router still picks it
