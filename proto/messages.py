@@ -19,7 +19,8 @@ PROTOCOL_VERSION = 1
 EngineKind = Literal["native", "ninfer", "vllm", "llamacpp", "sglang", "stock"]
 WorkerState = Literal["ready", "draining", "stopped", "down"]
 FinishReason = Literal["stop", "length", "abort", "error"]
-EnergyMethod = Literal["counter", "power_integration", "estimated", "unavailable"]
+# "engine_reported": the engine's own figures (an NInfer-class /usage daily Wh), relayed by telemetry
+EnergyMethod = Literal["counter", "power_integration", "estimated", "engine_reported", "unavailable"]
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
