@@ -6,6 +6,7 @@
     llmgw telemetry    scrapes HTTP-only engines onto the bus
     llmgw accounting   usage and energy ledger (DuckDB)
     llmgw sql "SELECT …"   read-only SQL over the ledger
+    llmgw admin create-user NAME [--role admin|user]   add a user to the gateway (asks for a password)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ ROLES = {
     "telemetry": "services.telemetry.__main__",
     "accounting": "services.accounting.__main__",
     "sql": "services.accounting.sql_client",
+    "admin": "services.gateway.admin_cli",
 }
 
 

@@ -272,3 +272,30 @@ def load(path: Path) -> GatewayFileConfig:
         raise ConfigError("config", f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
                           ) from None
     return parse(data)
+
+
+def to_dict(config: GatewayFileConfig) -> dict[str, Any]:
+    """The file form of a config (``parse(to_dict(c)) == c``): what the Config page saves."""
+    pools: dict[str, Any] = {}
+    for name, p in config.pools.items():
+        members = []
+        for m in p.members:
+            entry: dict[str, Any] = {"model_id": m.model_id, "backend": m.backend, "capacity_weight": m.capacity_weight}
+            if m.max_context is not None:
+                entry["max_context"] = m.max_context
+            default_id = member_id_for(m.backend) if m.backend != "bus:*" else f"bus-{m.model_id}"
+            if m.member_id != default_id:
+                entry["id"] = m.member_id
+            members.append(entry)
+        pools[name] = {"members": members, "cache_affinity": p.cache_affinity,
+                       "overflow_threshold": p.overflow_threshold, "sticky_bias": p.sticky_bias,
+                       "capacity_bias": p.capacity_bias, "max_pool_share": p.max_pool_share,
+                       "aliases": list(p.aliases)}
+    return {
+        "model_pools": pools,
+        "electricity_rate_usd_per_kwh": config.electricity_rate_usd_per_kwh,
+        "price_book": {model: {"prompt_usd_per_m": pr.prompt_usd_per_m, "cached_usd_per_m": pr.cached_usd_per_m,
+                               "output_usd_per_m": pr.output_usd_per_m} for model, pr in config.price_book.items()},
+        "metrics": dict(vars(config.metrics)),
+        "gateway": dict(vars(config.limits)),
+    }

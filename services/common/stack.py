@@ -26,7 +26,7 @@ from services.common.runtime import data_dir, run_async_main, setup_logging, wri
 log = logging.getLogger("llmgw.up")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEMO_MODEL = REPO_ROOT / "models" / "demo"
+DEMO_MODEL = REPO_ROOT / "models" / "demo-qwen3"  # trained by tools/train_demo_model.py (issue #9)
 DEFAULT_PORT = 8080
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
@@ -37,8 +37,9 @@ class StackError(RuntimeError):
 
 
 def default_model(data: Path) -> Path:
-    """The shipped demo model when present, else a tiny random-weight checkpoint made once in the data dir."""
-    if (DEMO_MODEL / "config.json").exists():
+    """The shipped demo model (``models/demo-qwen3``) when present, else a tiny random-weight checkpoint made
+    once in the data dir (a checkout without the model files, e.g. a sparse or LFS-less clone)."""
+    if (DEMO_MODEL / "config.json").exists() and (DEMO_MODEL / "model.safetensors").exists():
         return DEMO_MODEL
     tiny = data / "models" / "tiny-qwen3"
     if not (tiny / "config.json").exists():
@@ -112,6 +113,7 @@ async def run(args: argparse.Namespace) -> None:
     data = data_dir(args.data_dir)
     model = Path(args.model).resolve() if args.model else default_model(data)
     model_id = args.model_id or model.name
+    credentials = _bootstrap_identity(data)
     async with contextlib.AsyncExitStack() as stack:
         url = os.environ.get("NATS_URL")
         if not url:
@@ -141,7 +143,7 @@ async def run(args: argparse.Namespace) -> None:
         write_stack_file(data, {"nats_url": url, "gateway_url": gateway_url, "model_id": model_id,
                                 "pid": os.getpid()})
         stack.callback(lambda: (data / "stack.json").unlink(missing_ok=True))
-        print(_banner(gateway_url, model_id, url, data), flush=True)
+        print(_banner(gateway_url, model_id, url, data, credentials), flush=True)
         await _supervise(waits)
 
 
@@ -183,17 +185,41 @@ async def _wait_for_model(gateway_url: str, model_id: str, timeout_s: float = 60
                              f"within {timeout_s:.0f}s") from None
 
 
-def _banner(gateway_url: str, model_id: str, nats_url: str, data: Path) -> str:
+def _bootstrap_identity(data: Path) -> tuple[str, str] | None:
+    """On the first start, create the admin user and an API key here, so the banner can show them once."""
+    from services.gateway.identity import IdentityStore
+
+    store = IdentityStore(data / "identity")
+    try:
+        return None if store.has_users() else store.bootstrap_admin(time.time())
+    finally:
+        store.close()
+
+
+def _banner(gateway_url: str, model_id: str, nats_url: str, data: Path,
+            credentials: tuple[str, str] | None) -> str:
+    if credentials is not None:
+        password, key = credentials
+        first = (f"   First start: admin sign-in at {gateway_url}/  user admin  password {password}\n"
+                 f"   API key: {key}\n"
+                 "   (both shown only this once: keep them; more keys and users on the admin pages)")
+        key_shown = key
+    else:
+        first = (f"   API key: the one shown at the first start, or create one at {gateway_url}/account\n"
+                 "   (lost the admin password? .venv/bin/llmgw admin reset-password admin)")
+        key_shown = "$LLMGW_API_KEY"
     return f"""
 ================================================================================
  llmgw is up.  Gateway: {gateway_url}   (NATS {nats_url}, data in {data})
+{first}
 
    curl -s {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+     -H 'Authorization: Bearer {key_shown}' \\
      -d '{{"model":"{model_id}","messages":[{{"role":"user","content":"hi"}}]}}'
 
-   OpenAI SDK: OpenAI(base_url="{gateway_url}/v1", api_key="unused")
+   OpenAI SDK: OpenAI(base_url="{gateway_url}/v1", api_key="{key_shown}")
+   Admin pages: {gateway_url}/backends  /admin/config/page  /admin/costs
    Usage ledger: .venv/bin/llmgw sql "select request_id, model, output_tokens from requests"
-   No API key is required yet: the gateway serves loopback only by default (sign-in is issue #8).
    Ctrl-C stops everything.
 ================================================================================""".rstrip()
 

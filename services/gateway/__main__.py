@@ -18,6 +18,7 @@ from services.common.runtime import (
     run_async_main,
     setup_logging,
 )
+from services.gateway.auth import parse_networks
 from services.gateway.service import GatewayConfig, GatewayService
 
 DEFAULT_PORT = 8080
@@ -33,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=os.environ.get("LLMGW_CONFIG"),
                         help="pools file (JSON; see docs/architecture.md); reloaded on change (also $LLMGW_CONFIG)")
     parser.add_argument("--stale-after", type=float, default=3.0, help="seconds before a heartbeat is stale")
+    parser.add_argument("--trust-network", action="append", default=[], metavar="CIDR",
+                        help="callers from this network may run inference without an API key (repeatable; also "
+                             "$LLMGW_TRUST_NETWORKS, comma-separated). Nothing is trusted by default, not even "
+                             "loopback")
 
 
 def build_config(args: argparse.Namespace) -> GatewayConfig:
@@ -40,10 +45,12 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
         raise ConfigError("port", f"must be 0..65535, got {args.port}")
     if args.stale_after <= 0:
         raise ConfigError("stale-after", "must be > 0")
+    trusted = [*args.trust_network, *(s for s in os.environ.get("LLMGW_TRUST_NETWORKS", "").split(",") if s.strip())]
+    parse_networks(trusted)  # a bad CIDR is a ConfigError naming the flag
     return GatewayConfig(
         gateway_id=args.gateway_id or default_worker_id("gw"), host=args.host, port=args.port,
         stale_after_s=args.stale_after, config_path=Path(args.config) if args.config else None,
-        data_dir=data_dir(args.data_dir),
+        data_dir=data_dir(args.data_dir), trusted_networks=tuple(trusted),
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import random
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import msgspec.json
 from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -28,11 +30,14 @@ from proto import ProtoDecodeError, SlotHeartbeat, TokenChunk, Usage, UsageRecor
 from services.common import openai_api, openai_stream, pool_config
 from services.common.http import HTTPError, error_middleware, read_json_object
 from services.common.prom import E2E_BUCKETS_S, Histogram, PromText
-from services.common.runtime import ConfigError, new_session_id, raise_if_cancelling
+from services.common.runtime import ConfigError, atomic_write_text, new_session_id, raise_if_cancelling
 from services.gateway import bus_backend, pools, routing, routing_adapter
+from services.gateway.auth import Auth, parse_networks, save_usage_periodically
 from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend, MemberUnavailable
+from services.gateway.identity import IdentityStore, hash_password, new_password
 from services.gateway.openapi import document as openapi_document
+from services.gateway.pages import Pages
 from services.gateway.usage_spool import UsageSpool
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,8 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     usage_buffer: int = 100_000
     config_poll_s: float = 1.0
+    # networks whose callers may run inference without an API key (CIDR); loopback is not trusted by default
+    trusted_networks: tuple[str, ...] = ()
 
 
 @dataclass
@@ -89,13 +96,23 @@ class GatewayService:
         self.nc = nc
         self.config = config
         self.session_id = new_session_id()
+        data = config.data_dir or Path("data")
+        # the pools file: --config, else DATA/pools.json (what the Config page saves when no file was named)
+        self.config_path = config.config_path or data / "pools.json"
+        if file_config is None and config.config_path is None and self.config_path.exists():
+            file_config = pool_config.load(self.config_path)
         self.file_config = file_config or pool_config.GatewayFileConfig()
+        self.identity = IdentityStore(data / "identity")
+        self.auth = Auth(self.identity, parse_networks(config.trusted_networks),
+                         self.file_config.limits.max_concurrent_per_key)
+        self.dummy_password_hash = hash_password(new_password())  # verified against for unknown user names
+        self.bootstrap: tuple[str, str] | None = None  # (admin password, API key) printed at a first start
         self.fleet = Fleet(config.gateway_id)
         self.router = routing_adapter.Router(config.data_dir, time.time())
         self.metrics = GatewayMetrics()
         self.http = HttpBackend(first_byte_timeout_s=config.first_chunk_timeout_s,
                                 request_timeout_s=self.file_config.limits.request_timeout_s)
-        self.spool = UsageSpool((config.data_dir or Path("data")) / "usage-spool" / config.gateway_id)
+        self.spool = UsageSpool(data / "usage-spool" / config.gateway_id)
         self.rng = rng or random.Random()
         self._usage_queue: asyncio.Queue[UsageRecord] = asyncio.Queue(maxsize=config.usage_buffer)
         self._seq = 0
@@ -106,23 +123,93 @@ class GatewayService:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        sub = await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
+        if not self.identity.has_users():
+            self._bootstrap_admin()
+        subs = [await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat),
+                await self.nc.subscribe(subjects.AUTH_CHECK, cb=self._on_auth_check),
+                await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self._on_config_changed)]
         await self._load_known_workers()
         async with self.http, asyncio.TaskGroup() as tasks:
             background = [tasks.create_task(self._publish_usage(), name="usage-publisher"),
-                          tasks.create_task(self._resend_spooled(), name="usage-resend")]
-            background.append(tasks.create_task(self._save_routing_tables(), name="routing-tables"))
-            if self.config.config_path is not None:
-                self._config_mtime = _mtime(self.config.config_path)
-                background.append(tasks.create_task(self._watch_config(), name="config-watch"))
+                          tasks.create_task(self._resend_spooled(), name="usage-resend"),
+                          tasks.create_task(self._save_routing_tables(), name="routing-tables"),
+                          tasks.create_task(save_usage_periodically(self.auth), name="key-usage")]
+            self._config_mtime = _mtime(self.config_path)
+            background.append(tasks.create_task(self._watch_config(), name="config-watch"))
             try:
                 yield
             finally:
-                await sub.unsubscribe()
+                for sub in subs:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
                 await self._flush_usage(timeout_s=5.0)
                 self.router.save(time.time())
+                self.auth.save_usage()
                 for task in background:
                     task.cancel()
+        self.identity.close()
+
+    def _bootstrap_admin(self) -> None:
+        """First start: an admin user with a generated password and one API key, printed once (never logged)."""
+        password, key = self.identity.bootstrap_admin(time.time())
+        self.bootstrap = (password, key)
+        print(f"llmgw gateway: first start: created user 'admin' (password {password}) and API key {key}; "
+              "both are shown only this once: sign in at the gateway's / to manage keys and users", flush=True)
+
+    async def _on_auth_check(self, msg: Msg) -> None:
+        """Other services (accounting's /sql, /costs) ask whether an API key's digest is valid, and whose."""
+        try:
+            digest = msgspec.json.decode(msg.data).get("key_sha256")
+        except (msgspec.DecodeError, AttributeError):
+            digest = None
+        key = self.identity.lookup_key(digest, time.time()) if isinstance(digest, str) else None
+        user = self.identity.user(key.user_id) if key is not None else None
+        reply: dict[str, Any] = {"ok": False}
+        if key is not None and user is not None:
+            reply = {"ok": True, "role": user.role, "key_id": key.key_id, "user": user.name}
+        with contextlib.suppress(Exception):
+            await msg.respond(msgspec.json.encode(reply))
+
+    # ---- the pools file ---------------------------------------------------------------------------
+
+    def config_dict(self) -> dict[str, Any]:
+        return pool_config.to_dict(self.file_config)
+
+    async def apply_config(self, raw: dict[str, Any], broadcast: bool = True) -> ConfigError | None:
+        """Validate, save atomically, apply now, and tell the other gateways; a bad config changes nothing."""
+        try:
+            parsed = pool_config.parse(raw)
+        except ConfigError as exc:
+            return exc
+        text = json.dumps(raw, indent=2) + "\n"
+        await asyncio.to_thread(atomic_write_text, self.config_path, text)
+        self.file_config = parsed
+        self.auth.max_concurrent_per_key = parsed.limits.max_concurrent_per_key
+        self._config_mtime = _mtime(self.config_path)
+        log.info("config saved to %s and applied: %d pool(s)", self.config_path, len(parsed.pools))
+        if broadcast:
+            try:
+                await self.nc.publish(subjects.CONFIG_CHANGED, msgspec.json.encode(
+                    {"gateway_id": self.config.gateway_id, "config": raw}))
+            except Exception as exc:
+                log.warning("other gateways not told about the new config (bus: %s); they keep their own", exc)
+        return None
+
+    async def _on_config_changed(self, msg: Msg) -> None:
+        try:
+            data = msgspec.json.decode(msg.data)
+            if data.get("gateway_id") == self.config.gateway_id:
+                return
+            problem = await self.apply_config(data["config"], broadcast=False)
+        except (msgspec.DecodeError, AttributeError, KeyError, TypeError) as exc:
+            log.warning("ignored a malformed config-changed message: %s", exc)
+            return
+        except OSError as exc:
+            log.error("config from gateway %s not saved: %s", data.get("gateway_id"), exc)
+            return
+        if problem is not None:
+            log.error("kept the previous config: the one from gateway %s is invalid: %s", data.get("gateway_id"),
+                      problem)
 
     async def _load_known_workers(self) -> None:
         """A new gateway knows the fleet at once from the KV bucket's last heartbeat per worker."""
@@ -163,16 +250,15 @@ class GatewayService:
 
     async def _watch_config(self) -> None:
         """Reload the pools file when it changes; a broken file keeps the old config and says why."""
-        assert self.config.config_path is not None
         while True:
             await asyncio.sleep(self.config.config_poll_s)
-            mtime = _mtime(self.config.config_path)
-            if mtime == self._config_mtime:
+            mtime = _mtime(self.config_path)
+            if mtime == self._config_mtime or mtime is None:
                 continue
             self._config_mtime = mtime
             try:
-                self.file_config = await asyncio.to_thread(pool_config.load, self.config.config_path)
-                log.info("reloaded %s: %d pool(s)", self.config.config_path, len(self.file_config.pools))
+                self.file_config = await asyncio.to_thread(pool_config.load, self.config_path)
+                log.info("reloaded %s: %d pool(s)", self.config_path, len(self.file_config.pools))
             except ConfigError as exc:
                 log.error("kept the previous config: %s", exc)
 
@@ -260,10 +346,10 @@ class GatewayService:
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model_id}", self.get_model)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/backends", self.backends)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_post("/admin/routing/explain", self.explain)
+        Pages(self).routes(app)
         return app
 
     def _model_card(self, name: str) -> dict[str, Any]:
@@ -307,9 +393,6 @@ class GatewayService:
                 rows.append(self.router.describe_member(resolved, ref, self.fleet, now, self.config.stale_after_s))
         return rows
 
-    async def backends(self, request: web.Request) -> web.Response:
-        return web.json_response({"gateway_id": self.config.gateway_id, "members": self.backends_view()})
-
     async def prometheus(self, request: web.Request) -> web.Response:
         m = PromText()
         for (pool, member, status), n in sorted(self.metrics.requests.items()):
@@ -344,6 +427,7 @@ class GatewayService:
 
     async def explain(self, request: web.Request) -> web.Response:
         """Dry-run the router on a chat/completions body: the candidates, their scores and why."""
+        self.auth.api_user(request, time.time(), admin=True)
         body = await read_json_object(request)
         parsed = self._parse(body, "chat.completions" if "messages" in body else "completions")
         resolved = self._resolve(parsed.model)
@@ -382,11 +466,16 @@ class GatewayService:
         return (header, True) if header else (api_key_id, False)
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        body = await read_json_object(request)
-        parsed = self._parse(body, endpoint)
-        resolved = self._resolve(parsed.model)
+        key = self.auth.admit(request, time.time())
+        try:
+            body = await read_json_object(request)
+            parsed = self._parse(body, endpoint)
+            resolved = self._resolve(parsed.model)
+        except BaseException:
+            self.auth.finished(key, 0, time.time())
+            raise
         request_id = f"req-{uuid.uuid4().hex}"
-        api_key_id = None
+        api_key_id = key.key_id if key is not None else None
         started, wall = time.monotonic(), time.time()
         outcome = _Outcome(pool=resolved.pool.name)
         try:
@@ -399,6 +488,7 @@ class GatewayService:
             raise
         finally:
             self._record_usage(parsed, request_id, api_key_id, outcome, started, wall)
+            self.auth.finished(key, outcome.usage.total_tokens if outcome.usage else 0, time.time())
 
     async def _forward(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
                        resolved: pools.ResolvedPool, request_id: str, api_key_id: str | None,

@@ -17,6 +17,7 @@ class Followed:
         self.marker = marker
         self.lines: list[str] = []
         self.ready = threading.Event()
+        self.changed = threading.Condition()
         self.proc = subprocess.Popen(list(argv), cwd=REPO, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -25,7 +26,9 @@ class Followed:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            self.lines.append(line)
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
             if self.marker in line:
                 self.ready.set()
 
@@ -33,6 +36,13 @@ class Followed:
         """The line carrying the marker; fails the test with the output's tail when it never comes."""
         assert self.ready.wait(timeout_s), f"no {self.marker!r} within {timeout_s}s:\n" + "".join(self.lines[-40:])
         return next(line for line in self.lines if self.marker in line)
+
+    def line_with(self, text: str, timeout_s: float = 10.0) -> str:
+        """The first output line containing ``text``, waiting for it to be printed."""
+        with self.changed:
+            found = self.changed.wait_for(lambda: next((ln for ln in self.lines if text in ln), None), timeout_s)
+        assert found, f"no line with {text!r} within {timeout_s}s:\n" + "".join(self.lines[-40:])
+        return found
 
     @property
     def output(self) -> str:

@@ -53,8 +53,13 @@ def test_llmgw_up_serves_a_request_records_usage_and_stops_everything(tiny_model
         url = stack.wait_ready(120).split("Gateway: ", 1)[1].split()[0]
         children = _children_of(proc.pid)
         assert len(children) >= 5  # nats-server, accounting, telemetry, engine, gateway
+        key = stack.line_with("API key: ").split("API key: ", 1)[1].split()[0]
+        assert key.startswith("sk-")
 
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        anonymous = openai.OpenAI(base_url=url + "/v1", api_key="not-a-key", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):  # loopback is not trusted by default
+            anonymous.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
         reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=8)
         assert reply.choices[0].finish_reason in ("stop", "length")

@@ -28,6 +28,11 @@ class Stack:
     accounting: AccountingService
     worker: BusWorker
     nats_url: str
+    api_key: str  # the bootstrap admin's key
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
 
 
 async def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.02) -> None:  # type: ignore[no-untyped-def]
@@ -66,4 +71,5 @@ async def stack(nats_server: EmbeddedNatsServer, tiny_model: Path, tmp_path: Pat
             await asyncio.gather(*tasks, return_exceptions=True)
 
         es.push_async_callback(stop_tasks)
-        yield Stack(base_url, gateway, accounting, worker, nats_server.url)
+        assert gateway.bootstrap is not None
+        yield Stack(base_url, gateway, accounting, worker, nats_server.url, gateway.bootstrap[1])

@@ -212,9 +212,11 @@ async def pool(nats_server: EmbeddedNatsServer, tiny_model: Path, tmp_path: Path
         await wait_for(lambda: all(
             (hb := gateway.fleet.record(m).heartbeat) is not None and hb.state == "ready" and hb.model_id == "tiny"
             for m in engines))
-        api = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+        assert gateway.bootstrap is not None
+        key = gateway.bootstrap[1]  # the bootstrap admin's API key: inference and the admin JSON routes
+        api = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
         es.push_async_callback(api.close)
-        session = await es.enter_async_context(aiohttp.ClientSession())
+        session = await es.enter_async_context(aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}))
         yield Pool(base_url, gateway, engines, http_id, http_url, api, session)
 
 

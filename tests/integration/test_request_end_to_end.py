@@ -26,7 +26,7 @@ async def _query(stack: Stack, sql: str) -> list[tuple[object, ...]]:
 
 
 async def test_chat_completion_non_streaming_reaches_the_ledger(stack: Stack) -> None:
-    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused")
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key)
     resp = await client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hello there"}], max_tokens=12, temperature=0,
     )
@@ -41,7 +41,7 @@ async def test_chat_completion_non_streaming_reaches_the_ledger(stack: Stack) ->
 
 
 async def test_streaming_chat_sends_role_then_content_then_finish_and_usage(stack: Stack) -> None:
-    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused")
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key)
     stream = await client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "count"}], max_tokens=10, temperature=0, stream=True,
         stream_options={"include_usage": True},
@@ -64,7 +64,7 @@ async def test_streaming_chat_sends_role_then_content_then_finish_and_usage(stac
 
 
 async def test_completions_endpoint_and_models_listing(stack: Stack) -> None:
-    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused")
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key)
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     resp = await client.completions.create(model="tiny", prompt="def main", max_tokens=5, temperature=0)
@@ -86,7 +86,7 @@ async def test_completions_endpoint_and_models_listing(stack: Stack) -> None:
 async def test_bad_requests_get_openai_error_bodies(stack: Stack, body: bytes, status: int,
                                                    code_or_param: str) -> None:
     async with aiohttp.ClientSession() as http, http.post(
-        stack.base_url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        stack.base_url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json", **stack.auth}
     ) as resp:
         assert resp.status == status
         payload = await resp.json()
@@ -97,7 +97,7 @@ async def test_bad_requests_get_openai_error_bodies(stack: Stack, body: bytes, s
 
 
 async def test_context_overflow_is_a_400_with_the_openai_code(stack: Stack) -> None:
-    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=100_000,
@@ -114,7 +114,8 @@ async def test_a_pool_with_no_live_member_answers_503_with_retry_after(stack: St
     stack.gateway.file_config = pool_config.parse({"model_pools": {"ghost": {"members": [
         {"model_id": "ghost", "backend": "bus:nobody-home"}]}}})
     async with aiohttp.ClientSession() as http, http.post(
-        stack.base_url + "/v1/chat/completions", json={"model": "ghost", "messages": [{"role": "user", "content": "x"}]}
+        stack.base_url + "/v1/chat/completions", json={"model": "ghost", "messages": [{"role": "user", "content": "x"}]},
+        headers=stack.auth,
     ) as resp:
         assert resp.status == 503
         assert resp.headers["Retry-After"] == "5"

@@ -1,0 +1,362 @@
+"""Users, sessions and API keys: one SQLite file in the gateway's data dir (``identity/identity.db``).
+
+Why these choices:
+
+- **Passwords** are hashed with scrypt (memory-hard: N=2^14, r=8, p=1, 16 MiB per guess) and a per-user
+  salt; verifying one costs ~50 ms, so callers run it off the event loop.
+- **API keys** are 160 random bits (``sk-`` + 40 base62-ish characters). A key that random cannot be
+  guessed, so a fast hash is enough (as for GitHub tokens): we store ``sha256(key)`` and look a request's
+  key up by that digest in memory, O(1) per request, with no KDF on the hot path. The key itself is shown
+  once and never stored or logged; usage is attributed to its public ``key_id``.
+- **Sessions** are random 256-bit tokens; the cookie carries ``token.signature`` (HMAC-SHA256 with a
+  secret kept in ``identity/secret``, mode 0600) and the database keeps only ``sha256(token)``, so a
+  leaked database cannot be replayed as cookies, and deleting the row revokes the session.
+- SQLite gives atomic, crash-safe writes: a kill -9 mid-change leaves the old or the new state.
+
+Everything here is synchronous and small; the gateway calls it from the event loop except password
+hashing (see :func:`hash_password`).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import hmac
+import os
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Role = Literal["admin", "user"]
+ROLES: tuple[Role, ...] = ("admin", "user")
+
+SESSION_TTL_S = 12 * 3600.0
+KEY_PREFIX = "sk-"
+_SCRYPT = {"n": 2**14, "r": 8, "p": 1, "maxmem": 64 * 1024 * 1024, "dklen": 32}
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS users (
+    user_id    TEXT PRIMARY KEY,
+    name       TEXT NOT NULL UNIQUE,
+    role       TEXT NOT NULL CHECK (role IN ('admin', 'user')),
+    pw_hash    TEXT NOT NULL,
+    created_s  REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sessions (
+    token_sha256 TEXT PRIMARY KEY,
+    user_id      TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
+    csrf         TEXT NOT NULL,
+    created_s    REAL NOT NULL,
+    expires_s    REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_id       TEXT PRIMARY KEY,
+    user_id      TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
+    name         TEXT NOT NULL,
+    key_sha256   TEXT NOT NULL UNIQUE,
+    hint         TEXT NOT NULL,
+    daily_quota  INTEGER,
+    created_s    REAL NOT NULL,
+    expires_s    REAL,
+    revoked_s    REAL,
+    replaced_by  TEXT
+);
+CREATE TABLE IF NOT EXISTS key_usage (
+    key_id  TEXT NOT NULL,
+    day     TEXT NOT NULL,
+    tokens  INTEGER NOT NULL,
+    PRIMARY KEY (key_id, day)
+);
+"""
+
+
+class IdentityError(ValueError):
+    """A request to change identities that cannot be done (the message says why, for a form)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class User:
+    user_id: str
+    name: str
+    role: Role
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key_id: str
+    user_id: str
+    name: str
+    key_sha256: str
+    hint: str  # "sk-…abcd": enough to recognise a key in a list, useless to an attacker
+    daily_quota: int | None
+    created_s: float
+    expires_s: float | None  # set when rotated: the old key keeps working until then
+    revoked_s: float | None
+    replaced_by: str | None
+
+    def is_valid(self, now_s: float) -> bool:
+        return self.revoked_s is None and (self.expires_s is None or now_s < self.expires_s)
+
+
+@dataclass(frozen=True)
+class Session:
+    user: User
+    csrf: str
+    expires_s: float
+
+
+def hash_password(password: str, salt: bytes | None = None) -> str:
+    """scrypt; ~50 ms and 16 MiB: call it in a thread from async code."""
+    salt = salt or os.urandom(16)
+    digest = hashlib.scrypt(password.encode(), salt=salt, **_SCRYPT)
+    return f"scrypt$16384$8$1${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+
+
+def verify_password(password: str, stored: str) -> bool:
+    try:
+        scheme, n, r, p, salt_b64, digest_b64 = stored.split("$")
+        if scheme != "scrypt":
+            return False
+        digest = hashlib.scrypt(password.encode(), salt=base64.b64decode(salt_b64), n=int(n), r=int(r), p=int(p),
+                                maxmem=_SCRYPT["maxmem"], dklen=len(base64.b64decode(digest_b64)))
+    except (ValueError, TypeError):
+        return False
+    return hmac.compare_digest(digest, base64.b64decode(digest_b64))
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_api_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(30)
+
+
+def new_password() -> str:
+    return secrets.token_urlsafe(15)
+
+
+def utc_day(now_s: float) -> str:
+    return dt.datetime.fromtimestamp(now_s, dt.UTC).strftime("%Y-%m-%d")
+
+
+def seconds_to_utc_midnight(now_s: float) -> float:
+    day = dt.datetime.fromtimestamp(now_s, dt.UTC).date()
+    midnight = dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.UTC)
+    return max(1.0, midnight.timestamp() - now_s)
+
+
+def check_password_rules(password: str) -> None:
+    if len(password) < 10:
+        raise IdentityError("password", "use at least 10 characters")
+    if len(password) > 1024:
+        raise IdentityError("password", "use at most 1024 characters")
+
+
+def check_user_name(name: str) -> None:
+    if not (1 <= len(name) <= 64) or not all(c.isalnum() or c in "._-@" for c in name):
+        raise IdentityError("name", "1-64 letters, digits or . _ - @")
+
+
+class IdentityStore:
+    """Users, sessions and keys in SQLite; API keys mirrored in memory for O(1) request checks."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / "identity.db"
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.db.executescript(SCHEMA)
+        self._secret = _load_secret(directory / "secret")
+        self._keys: dict[str, ApiKey] = {}  # by key_sha256
+        self._users: dict[str, User] = {}
+        self.reload_keys()
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ---- users --------------------------------------------------------------------------------------
+
+    def has_users(self) -> bool:
+        return self.db.execute("SELECT 1 FROM users LIMIT 1").fetchone() is not None
+
+    def create_user(self, name: str, password_hash: str, role: Role) -> User:
+        check_user_name(name)
+        if role not in ROLES:
+            raise IdentityError("role", f"must be one of {', '.join(ROLES)}")
+        user = User(f"u_{secrets.token_hex(6)}", name, role)
+        try:
+            self.db.execute("INSERT INTO users VALUES (?, ?, ?, ?, ?)",
+                            (user.user_id, name, role, password_hash, time.time()))
+        except sqlite3.IntegrityError:
+            raise IdentityError("name", f"a user named {name!r} exists already") from None
+        self._users[user.user_id] = user
+        return user
+
+    def bootstrap_admin(self, now_s: float) -> tuple[str, str]:
+        """First start (no users yet): user ``admin`` with a generated password and one API key.
+
+        Returns both so the caller can show them once; only their hashes are kept.
+        """
+        password = new_password()
+        user = self.create_user("admin", hash_password(password), "admin")
+        key, _ = self.create_key(user.user_id, "bootstrap", None, now_s)
+        return password, key
+
+    def set_password(self, user_id: str, password_hash: str) -> None:
+        self.db.execute("UPDATE users SET pw_hash = ? WHERE user_id = ?", (password_hash, user_id))
+
+    def password_hash(self, name: str) -> tuple[User, str] | None:
+        row = self.db.execute("SELECT user_id, name, role, pw_hash FROM users WHERE name = ?", (name,)).fetchone()
+        return (User(row[0], row[1], row[2]), row[3]) if row else None
+
+    def user(self, user_id: str) -> User | None:
+        if user_id not in self._users:
+            row = self.db.execute("SELECT user_id, name, role FROM users WHERE user_id = ?", (user_id,)).fetchone()
+            if row is None:
+                return None
+            self._users[user_id] = User(row[0], row[1], row[2])
+        return self._users[user_id]
+
+    def users(self) -> list[User]:
+        return [User(*row) for row in self.db.execute("SELECT user_id, name, role FROM users ORDER BY name")]
+
+    # ---- sessions -----------------------------------------------------------------------------------
+
+    def _sign(self, token: str) -> str:
+        return hmac.new(self._secret, token.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def create_session(self, user: User, now_s: float, ttl_s: float = SESSION_TTL_S) -> tuple[str, Session]:
+        """A fresh session (never reuse one across a login: no fixation); returns the cookie value."""
+        token = secrets.token_urlsafe(32)
+        csrf = secrets.token_urlsafe(24)
+        self.db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?)",
+                        (key_digest(token), user.user_id, csrf, now_s, now_s + ttl_s))
+        self.db.execute("DELETE FROM sessions WHERE expires_s < ?", (now_s,))
+        return f"{token}.{self._sign(token)}", Session(user, csrf, now_s + ttl_s)
+
+    def session(self, cookie: str | None, now_s: float) -> Session | None:
+        if not cookie or "." not in cookie:
+            return None
+        token, _, signature = cookie.rpartition(".")
+        if not hmac.compare_digest(signature, self._sign(token)):
+            return None
+        row = self.db.execute("SELECT user_id, csrf, expires_s FROM sessions WHERE token_sha256 = ?",
+                              (key_digest(token),)).fetchone()
+        if row is None or row[2] <= now_s:
+            return None
+        user = self.user(row[0])
+        return Session(user, row[1], row[2]) if user else None
+
+    def end_session(self, cookie: str | None) -> None:
+        if cookie and "." in cookie:
+            self.db.execute("DELETE FROM sessions WHERE token_sha256 = ?", (key_digest(cookie.rpartition(".")[0]),))
+
+    def end_sessions_of(self, user_id: str) -> None:
+        self.db.execute("DELETE FROM sessions WHERE user_id = ?", (user_id,))
+
+    def sign_value(self, value: str) -> str:
+        """A value only this gateway could have issued (the sign-in form's CSRF token)."""
+        return f"{value}.{self._sign('v:' + value)}"
+
+    def check_signed(self, signed: str) -> bool:
+        value, _, signature = signed.rpartition(".")
+        return bool(value) and hmac.compare_digest(signature, self._sign("v:" + value))
+
+    # ---- API keys -----------------------------------------------------------------------------------
+
+    def reload_keys(self) -> None:
+        rows = self.db.execute(
+            "SELECT key_id, user_id, name, key_sha256, hint, daily_quota, created_s, expires_s, revoked_s, "
+            "replaced_by FROM api_keys").fetchall()
+        self._keys = {row[3]: ApiKey(*row) for row in rows}
+
+    def create_key(self, user_id: str, name: str, daily_quota: int | None, now_s: float) -> tuple[str, ApiKey]:
+        """Returns the key itself (show it once) and its record."""
+        name = name.strip() or "key"
+        if len(name) > 64:
+            raise IdentityError("name", "use at most 64 characters")
+        if daily_quota is not None and daily_quota < 1:
+            raise IdentityError("daily_quota", "must be a positive number of tokens, or empty for no quota")
+        key = new_api_key()
+        record = ApiKey(f"key_{secrets.token_hex(8)}", user_id, name, key_digest(key), f"{KEY_PREFIX}…{key[-4:]}",
+                        daily_quota, now_s, None, None, None)
+        self.db.execute("INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (record.key_id, user_id, record.name, record.key_sha256, record.hint, daily_quota, now_s,
+                         None, None, None))
+        self._keys[record.key_sha256] = record
+        return key, record
+
+    def keys_of(self, user_id: str | None) -> list[ApiKey]:
+        """A user's keys (every key for ``None``), newest first."""
+        keys = [k for k in self._keys.values() if user_id is None or k.user_id == user_id]
+        return sorted(keys, key=lambda k: k.created_s, reverse=True)
+
+    def key_by_id(self, key_id: str) -> ApiKey | None:
+        return next((k for k in self._keys.values() if k.key_id == key_id), None)
+
+    def revoke_key(self, key_id: str, now_s: float) -> None:
+        self.db.execute("UPDATE api_keys SET revoked_s = ? WHERE key_id = ? AND revoked_s IS NULL", (now_s, key_id))
+        self.reload_keys()
+
+    def rotate_key(self, key_id: str, grace_s: float, now_s: float) -> tuple[str, ApiKey]:
+        """A new key with the same name and quota; the old one keeps working for ``grace_s``."""
+        old = self.key_by_id(key_id)
+        if old is None or not old.is_valid(now_s):
+            raise IdentityError("key", "that key is revoked or expired: create a new one")
+        if not 0 <= grace_s <= 30 * 86400:
+            raise IdentityError("grace_hours", "must lie between 0 and 720 hours")
+        key, new = self.create_key(old.user_id, old.name, old.daily_quota, now_s)
+        self.db.execute("UPDATE api_keys SET expires_s = ?, replaced_by = ? WHERE key_id = ?",
+                        (now_s + grace_s, new.key_id, key_id))
+        self.reload_keys()
+        return key, new
+
+    def set_quota(self, key_id: str, daily_quota: int | None) -> None:
+        if daily_quota is not None and daily_quota < 1:
+            raise IdentityError("daily_quota", "must be a positive number of tokens, or empty for no quota")
+        self.db.execute("UPDATE api_keys SET daily_quota = ? WHERE key_id = ?", (daily_quota, key_id))
+        self.reload_keys()
+
+    def lookup_key(self, digest: str, now_s: float) -> ApiKey | None:
+        key = self._keys.get(digest)
+        return key if key is not None and key.is_valid(now_s) else None
+
+    # ---- per-key daily token counts (the quota) ----------------------------------------------------
+
+    def load_usage(self, day: str) -> dict[str, int]:
+        return dict(self.db.execute("SELECT key_id, tokens FROM key_usage WHERE day = ?", (day,)).fetchall())
+
+    def save_usage(self, day: str, tokens: dict[str, int]) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany(
+                "INSERT INTO key_usage VALUES (?, ?, ?) "
+                "ON CONFLICT (key_id, day) DO UPDATE SET tokens = excluded.tokens",
+                [(key_id, day, n) for key_id, n in tokens.items()])
+
+
+def _load_secret(path: Path) -> bytes:
+    """The HMAC secret for cookies: created once (0600, atomically), then read."""
+    try:
+        return bytes.fromhex(path.read_text().strip())
+    except (OSError, ValueError):
+        pass
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return bytes.fromhex(path.read_text().strip())

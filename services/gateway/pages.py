@@ -1,0 +1,326 @@
+"""The admin pages, rendered on the server (jinja2, autoescaped; no build step): sign-in, Backends, Config,
+Usage & costs, Users and each user's own keys page. Handlers only; the rules live in auth.py, the
+form ↔ config mapping in config_form.py and the chart in charts.py (both pure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+from aiohttp import web
+from markupsafe import Markup
+
+from proto import subjects
+from services.common.http import HTTPError
+from services.gateway import charts, config_form
+from services.gateway.auth import LOGIN_CSRF_COOKIE, SESSION_COOKIE
+from services.gateway.identity import (
+    IdentityError,
+    Session,
+    check_password_rules,
+    check_user_name,
+    hash_password,
+    verify_password,
+)
+
+if TYPE_CHECKING:
+    from services.gateway.service import GatewayService
+
+_HERE = Path(__file__).parent
+STYLE = (_HERE / "static" / "style.css").read_bytes()
+GRACE_HOURS_DEFAULT = 24.0
+
+
+def _num(value: Any, digits: int = 0, suffix: str = "") -> str:
+    if value is None:
+        return "\u2013"  # en dash: "unknown"
+    return f"{value:,.{digits}f}{suffix}"
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(_HERE / "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined)
+    env.filters["num"] = _num
+    env.filters["sparkline"] = lambda history: Markup(charts.sparkline_svg(history))
+    return env
+
+
+def _wants_html(request: web.Request) -> bool:
+    accept = request.headers.get("Accept", "")
+    return "text/html" in accept and "application/json" not in accept.split(",")[0]
+
+
+def _safe_next(value: object, fallback: str) -> str:
+    """Only same-site paths: never an open redirect to another host."""
+    if isinstance(value, str) and value.startswith("/") and not value.startswith("//") and "\\" not in value:
+        return value
+    return fallback
+
+
+class Pages:
+    def __init__(self, gateway: GatewayService) -> None:
+        self.gw = gateway
+        self.auth = gateway.auth
+        self.env = _env()
+
+    def routes(self, app: web.Application) -> None:
+        r = app.router
+        r.add_get("/", self.signin_page)
+        r.add_post("/login", self.login)
+        r.add_post("/logout", self.logout)
+        r.add_get("/static/style.css", self.stylesheet)
+        r.add_get("/backends", self.backends)
+        r.add_get("/admin/config/page", self.config_page)
+        r.add_post("/admin/config/page", self.config_save)
+        r.add_get("/admin/costs", self.costs_page)
+        r.add_get("/admin/costs.json", self.costs_json)
+        r.add_get("/admin/users", self.users_page)
+        r.add_post("/admin/users", self.users_create)
+        r.add_get("/account", self.account_page)
+        r.add_post("/account/keys", self.key_create)
+        r.add_post("/account/keys/{key_id}/rotate", self.key_rotate)
+        r.add_post("/account/keys/{key_id}/revoke", self.key_revoke)
+
+    def render(self, template: str, status: int = 200, **context: Any) -> web.Response:
+        context.setdefault("session", None)
+        html = self.env.get_template(template).render(**context)
+        return web.Response(text=html, status=status, content_type="text/html", charset="utf-8",
+                            headers={"Cache-Control": "no-store", "X-Frame-Options": "DENY",
+                                     "Content-Security-Policy": "default-src 'self'; script-src 'self' 'unsafe-inline';"
+                                                                " style-src 'self'; img-src 'self' data:"})
+
+    async def stylesheet(self, request: web.Request) -> web.Response:
+        return web.Response(body=STYLE, content_type="text/css", headers={"Cache-Control": "max-age=3600"})
+
+    async def _form(self, request: web.Request, session: Session) -> dict[str, str]:
+        form = await request.post()
+        self.auth.check_csrf(session, form.get("csrf"))
+        return {k: v for k, v in form.items() if isinstance(v, str)}
+
+    # ---- sign-in ----------------------------------------------------------------------------------
+
+    def _signin(self, request: web.Request, status: int = 200, error: str = "", name: str = "",
+                next_path: str = "") -> web.Response:
+        nonce = secrets.token_urlsafe(16)
+        resp = self.render("signin.html", status, title="Sign in", page="signin", error=error, name=name,
+                           next=next_path, csrf=self.auth.store.sign_value(nonce))
+        resp.set_cookie(LOGIN_CSRF_COOKIE, nonce, httponly=True, samesite="Lax", max_age=3600,
+                        secure=request.secure)
+        return resp
+
+    async def signin_page(self, request: web.Request) -> web.Response:
+        session = self.auth.session(request, time.time())
+        if session is not None:
+            home = "/backends" if session.user.role == "admin" else "/account"
+            raise web.HTTPSeeOther(_safe_next(request.query.get("next"), home))
+        return self._signin(request, next_path=_safe_next(request.query.get("next"), ""))
+
+    async def login(self, request: web.Request) -> web.Response:
+        form = await request.post()
+        nonce = request.cookies.get(LOGIN_CSRF_COOKIE, "")
+        token = form.get("csrf")
+        if not nonce or not isinstance(token, str) or token != self.auth.store.sign_value(nonce):
+            raise HTTPError(403, "the sign-in form expired or came from elsewhere: reload the page", code="csrf_failed")
+        name, password = str(form.get("name", "")), str(form.get("password", ""))
+        next_path = _safe_next(form.get("next"), "")
+        ip = request.remote or "-"
+        now = time.time()
+        wait = self.auth.throttle.wait_s(ip, name, now)
+        if wait > 0:
+            resp = self._signin(request, 429, f"Too many wrong passwords: try again in {wait:.0f} s.", name, next_path)
+            resp.headers["Retry-After"] = str(int(wait) + 1)
+            return resp
+        found = self.auth.store.password_hash(name)
+        # Verify even for an unknown user (against a dummy hash), so timing does not reveal who exists.
+        stored = found[1] if found else self.gw.dummy_password_hash
+        ok = await asyncio.to_thread(verify_password, password, stored) and found is not None
+        if not ok:
+            self.auth.throttle.failed(ip, name, time.time())
+            return self._signin(request, 401, "Wrong user name or password.", name, next_path)
+        self.auth.throttle.succeeded(ip, name)
+        assert found is not None
+        user = found[0]
+        old = request.cookies.get(SESSION_COOKIE)
+        self.auth.store.end_session(old)  # a new session id at every login: no fixation
+        cookie, _ = self.auth.store.create_session(user, time.time())
+        home = "/backends" if user.role == "admin" else "/account"
+        resp = web.HTTPSeeOther(next_path or home)
+        resp.set_cookie(SESSION_COOKIE, cookie, httponly=True, samesite="Lax", max_age=12 * 3600,
+                        secure=request.secure, path="/")
+        resp.del_cookie(LOGIN_CSRF_COOKIE)
+        raise resp
+
+    async def logout(self, request: web.Request) -> web.Response:
+        session = self.auth.session(request, time.time())
+        if session is None:
+            raise web.HTTPSeeOther("/")
+        await self._form(request, session)
+        self.auth.store.end_session(request.cookies.get(SESSION_COOKIE))
+        resp = web.HTTPSeeOther("/")
+        resp.del_cookie(SESSION_COOKIE, path="/")
+        raise resp
+
+    # ---- Backends ---------------------------------------------------------------------------------
+
+    async def backends(self, request: web.Request) -> web.Response:
+        now = time.time()
+        if _wants_html(request):
+            session = self.auth.page_user(request, now, admin=True)
+            return self.render("backends.html", title="Backends", page="backends", session=session,
+                               members=self.gw.backends_view())
+        self.auth.api_user(request, now, admin=True)
+        return web.json_response({"gateway_id": self.gw.config.gateway_id, "members": self.gw.backends_view()})
+
+    # ---- Config -----------------------------------------------------------------------------------
+
+    def _config_view(self, session: Session, raw: dict[str, Any], errors: dict[str, str], saved: bool,
+                     status: int = 200) -> web.Response:
+        return self.render("config.html", status, title="Config", page="config", session=session,
+                           errors=errors, saved=saved, path=str(self.gw.config_path),
+                           **config_form.view_model(raw))
+
+    async def config_page(self, request: web.Request) -> web.Response:
+        session = self.auth.page_user(request, time.time(), admin=True)
+        return self._config_view(session, self.gw.config_dict(), {}, saved=request.query.get("saved") == "1")
+
+    async def config_save(self, request: web.Request) -> web.Response:
+        session = self.auth.page_user(request, time.time(), admin=True)
+        form = await self._form(request, session)
+        result = config_form.from_form(form, self.gw.config_dict())
+        errors = dict(result.errors)
+        if not errors:
+            problem = await self.gw.apply_config(result.raw)
+            if problem is not None:
+                errors[result.field_for(problem.key)] = problem.reason
+        if errors:
+            return self._config_view(session, result.raw, errors, saved=False, status=400)
+        raise web.HTTPSeeOther("/admin/config/page?saved=1")
+
+    # ---- Usage & costs ----------------------------------------------------------------------------
+
+    async def _costs(self) -> dict[str, Any]:
+        try:
+            msg = await self.gw.nc.request(subjects.ACCOUNTING_COSTS, b'{"days": 30}', timeout=5.0)
+            data = json.loads(msg.data)
+        except Exception as exc:
+            raise HTTPError(503, f"the accounting service did not answer ({type(exc).__name__}); is it running?",
+                            code="accounting_unavailable", retry_after_s=5) from None
+        if not isinstance(data, dict) or "error" in data:
+            reason = data.get("error") if isinstance(data, dict) else data
+            raise HTTPError(503, f"the accounting service failed: {reason}", code="accounting_failed")
+        return data
+
+    async def costs_page(self, request: web.Request) -> web.Response:
+        session = self.auth.page_user(request, time.time(), admin=True)
+        try:
+            view = charts.costs_view(await self._costs())
+        except HTTPError as err:
+            return self.render("costs.html", 503, title="Usage & costs", page="costs", session=session,
+                               error=err.message)
+        return self.render("costs.html", title="Usage & costs", page="costs", session=session, error="", **view)
+
+    async def costs_json(self, request: web.Request) -> web.Response:
+        self.auth.api_user(request, time.time(), admin=True)
+        return web.json_response(await self._costs())
+
+    # ---- Users ------------------------------------------------------------------------------------
+
+    def _users_view(self, session: Session, status: int = 200, created: str = "", error: str = "") -> web.Response:
+        keys = self.auth.store.keys_of(None)
+        users = [{"name": u.name, "role": u.role, "keys": sum(1 for k in keys if k.user_id == u.user_id)}
+                 for u in self.auth.store.users()]
+        return self.render("users.html", status, title="Users", page="users", session=session, users=users,
+                           created=created, error=error)
+
+    async def users_page(self, request: web.Request) -> web.Response:
+        return self._users_view(self.auth.page_user(request, time.time(), admin=True))
+
+    async def users_create(self, request: web.Request) -> web.Response:
+        session = self.auth.page_user(request, time.time(), admin=True)
+        form = await self._form(request, session)
+        name, role = form.get("name", "").strip(), form.get("role", "user")
+        try:
+            check_user_name(name)
+            check_password_rules(form.get("password", ""))
+            pw_hash = await asyncio.to_thread(hash_password, form.get("password", ""))
+            self.auth.store.create_user(name, pw_hash, role)  # type: ignore[arg-type]
+        except IdentityError as exc:
+            return self._users_view(session, 400, error=f"{exc.field}: {exc.message}")
+        return self._users_view(session, created=name)
+
+    # ---- a user's own keys ------------------------------------------------------------------------
+
+    def _account_view(self, session: Session, status: int = 200, new_key: str = "", new_key_name: str = "",
+                      error: str = "") -> web.Response:
+        now = time.time()
+        keys = []
+        for k in self.auth.store.keys_of(session.user.user_id):
+            if k.revoked_s is not None:
+                status_text = "revoked"
+            elif k.expires_s is not None:
+                status_text = "expired" if now >= k.expires_s else f"rotated: works until {_utc(k.expires_s)}"
+            else:
+                status_text = "active"
+            keys.append({"key_id": k.key_id, "name": k.name, "hint": k.hint, "status": status_text,
+                         "active": k.is_valid(now) and k.replaced_by is None, "daily_quota": k.daily_quota,
+                         "used_today": self.auth.used_today(k.key_id, now)})
+        return self.render("account.html", status, title="My keys & usage", page="account", session=session,
+                           keys=keys, new_key=new_key, new_key_name=new_key_name, error=error)
+
+    async def account_page(self, request: web.Request) -> web.Response:
+        return self._account_view(self.auth.page_user(request, time.time(), admin=False))
+
+    async def key_create(self, request: web.Request) -> web.Response:
+        session = self.auth.page_user(request, time.time(), admin=False)
+        form = await self._form(request, session)
+        quota: int | None = None
+        try:
+            if form.get("daily_quota", "").strip():
+                if session.user.role != "admin":
+                    raise IdentityError("daily_quota", "only administrators set quotas")
+                try:
+                    quota = int(form["daily_quota"])
+                except ValueError:
+                    raise IdentityError("daily_quota", "must be a whole number of tokens") from None
+            key, record = self.auth.store.create_key(session.user.user_id, form.get("name", ""), quota, time.time())
+        except IdentityError as exc:
+            return self._account_view(session, 400, error=f"{exc.field}: {exc.message}")
+        return self._account_view(session, new_key=key, new_key_name=record.name)
+
+    def _own_key(self, session: Session, key_id: str) -> None:
+        key = self.auth.store.key_by_id(key_id)
+        if key is None or (key.user_id != session.user.user_id and session.user.role != "admin"):
+            raise HTTPError(404, "no such key", code="key_not_found")
+
+    async def key_rotate(self, request: web.Request) -> web.Response:
+        session = self.auth.page_user(request, time.time(), admin=False)
+        form = await self._form(request, session)
+        key_id = request.match_info["key_id"]
+        self._own_key(session, key_id)
+        try:
+            try:
+                grace_h = float(form.get("grace_hours", "") or GRACE_HOURS_DEFAULT)
+            except ValueError:
+                raise IdentityError("grace_hours", "must be a number of hours") from None
+            key, record = self.auth.store.rotate_key(key_id, grace_h * 3600.0, time.time())
+        except IdentityError as exc:
+            return self._account_view(session, 400, error=f"{exc.field}: {exc.message}")
+        return self._account_view(session, new_key=key, new_key_name=record.name)
+
+    async def key_revoke(self, request: web.Request) -> web.Response:
+        session = self.auth.page_user(request, time.time(), admin=False)
+        await self._form(request, session)
+        key_id = request.match_info["key_id"]
+        self._own_key(session, key_id)
+        self.auth.store.revoke_key(key_id, time.time())
+        raise web.HTTPSeeOther("/account")
+
+
+def _utc(ts_s: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(ts_s))
