@@ -31,11 +31,18 @@ ENDPOINT_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v
 
 
 class MemberUnavailable(Exception):
-    def __init__(self, member_id: str, reason: str, status: int | None = None) -> None:
+    """The member did not take the request (nothing reached the client): try the next one.
+
+    ``error`` is set when the member refused for load (429): the client gets it if no member accepts.
+    """
+
+    def __init__(self, member_id: str, reason: str, status: int | None = None, error: HTTPError | None = None
+                 ) -> None:
         super().__init__(f"{member_id}: {reason}")
         self.member_id = member_id
         self.reason = reason
         self.status = status
+        self.error = error
 
 
 @dataclass
@@ -58,6 +65,13 @@ def _usage(obj: Any) -> Usage | None:
                      cached_tokens=int((details or {}).get("cached_tokens") or 0))
     except (TypeError, ValueError):
         return None
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return None  # an HTTP date: rare from engines; the gateway's own default applies
 
 
 class HttpBackend:
@@ -104,12 +118,17 @@ class HttpBackend:
             try:
                 payload = await resp.json(content_type=None)
                 err = payload.get("error", {}) if isinstance(payload, dict) else {}
+                err = err if isinstance(err, dict) else {}
             except (ValueError, aiohttp.ClientError):
                 err = {}
             finally:
                 resp.release()
-            raise HTTPError(resp.status, str(err.get("message") or f"upstream answered {resp.status}"),
-                            code=err.get("code"), param=err.get("param"), type=err.get("type"))
+            error = HTTPError(resp.status, str(err.get("message") or f"upstream answered {resp.status}"),
+                              code=err.get("code"), param=err.get("param"), type=err.get("type"),
+                              retry_after_s=_retry_after(resp.headers.get("Retry-After")))
+            if resp.status == 429:  # busy, not wrong: another member may take it
+                raise MemberUnavailable(member.member_id, "upstream busy (429)", 429, error)
+            raise error
         return resp
 
     async def relay(self, request: web.Request, resp: aiohttp.ClientResponse, stream: bool, client_wants_usage: bool,

@@ -61,7 +61,7 @@ def test_rotation_keeps_the_old_key_for_the_grace_window_then_revocation_is_imme
 
 def test_sessions_are_signed_expire_and_are_revocable(store: IdentityStore, tmp_path: Path) -> None:
     user = store.create_user("carol", hash_password("p" * 12), "admin")
-    cookie, session = store.create_session(user, T0, ttl_s=60)
+    cookie, _ = store.create_session(user, T0, ttl_s=60)
     assert store.session(cookie, T0 + 1) is not None
     assert store.session(cookie, T0 + 61) is None  # expired
     token, _, sig = cookie.rpartition(".")

@@ -1,0 +1,153 @@
+"""Failover across HTTP members and usage that survives a bus outage (real nats-server, real aiohttp
+members on loopback that answer like an OpenAI server, or fail the way real ones do)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from proto import UsageRecord, decode, subjects
+from services.common import pool_config
+from services.common.bus import connect, ensure_bus
+from services.common.http import serving
+from services.common.nats_server import EmbeddedNatsServer
+from services.gateway.service import GatewayConfig, GatewayService
+from tests.integration.conftest import wait_for
+
+
+@dataclass
+class Member:
+    """An OpenAI-shaped fixture server whose chat answer is ``mode``: ok, 500, 429 or 408."""
+
+    mode: str = "ok"
+    hits: int = 0
+    url: str = ""
+    seen_paths: list[str] = field(default_factory=list)
+
+    async def chat(self, request: web.Request) -> web.Response:
+        self.hits += 1
+        body = await request.json()
+        if self.mode == "500":
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.mode == "408":
+            return web.json_response({"error": {"message": "slow"}}, status=408)
+        if self.mode == "429":
+            return web.json_response({"error": {"message": "queue full", "code": "queue_full"}}, status=429,
+                                     headers={"Retry-After": "7"})
+        return web.json_response({
+            "id": "c1", "object": "chat.completion", "created": 0, "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+
+@dataclass
+class Setup:
+    url: str
+    gateway: GatewayService
+    members: list[Member]
+    api: openai.AsyncOpenAI
+
+
+@contextlib.asynccontextmanager
+async def gateway_over(nats_server: EmbeddedNatsServer, tmp_path: Path, modes: list[str]) -> AsyncIterator[Setup]:
+    async with contextlib.AsyncExitStack() as es:
+        members = [Member(mode) for mode in modes]
+        for m in members:
+            m.url = await es.enter_async_context(serving(m.app(), "127.0.0.1", 0))
+        nc = await connect(nats_server.url, "gateway")
+        es.push_async_callback(nc.close)
+        await ensure_bus(nc)
+        config = pool_config.parse({"model_pools": {"m": {"members": [
+            {"model_id": "m", "backend": m.url, "capacity_weight": 8 - i} for i, m in enumerate(members)]}}})
+        gateway = GatewayService(nc, GatewayConfig(gateway_id="gwf", port=0, data_dir=tmp_path), config)
+        await es.enter_async_context(gateway.running())
+        url = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
+        assert gateway.bootstrap is not None
+        api = openai.AsyncOpenAI(base_url=url + "/v1", api_key=gateway.bootstrap[1], max_retries=0)
+        es.push_async_callback(api.close)
+        yield Setup(url, gateway, members, api)
+
+
+def _ask(api: openai.AsyncOpenAI):  # type: ignore[no-untyped-def]
+    return api.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("failure", ["500", "408"])
+async def test_a_failing_http_member_fails_over_before_the_first_byte(nats_server, tmp_path, failure) -> None:  # type: ignore[no-untyped-def]
+    async with gateway_over(nats_server, tmp_path, [failure, "ok"]) as s:
+        reply = await _ask(s.api)  # the first member ranks first (bigger capacity) and fails
+        assert reply.choices[0].message.content == "hello"
+        assert [m.hits for m in s.members] == [1, 1]
+        assert s.gateway.metrics.failovers[pool_config.member_id_for(s.members[0].url)] == 1
+        await _ask(s.api)  # the failed member sits out a while: no second try on it
+        assert [m.hits for m in s.members] == [1, 2]
+
+
+async def test_429_tries_the_next_member_and_is_returned_only_when_all_are_busy(nats_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async with gateway_over(nats_server, tmp_path, ["429", "ok"]) as s:
+        reply = await _ask(s.api)
+        assert reply.choices[0].message.content == "hello" and [m.hits for m in s.members] == [1, 1]
+        s.members[1].mode = "429"
+        with pytest.raises(openai.RateLimitError) as info:
+            await _ask(s.api)
+        assert info.value.response.headers["Retry-After"] == "7"  # the member's own advice
+        assert [m.hits for m in s.members] == [2, 2]  # each member once; busy is not down
+
+
+async def test_all_members_down_is_a_503_with_retry_after(nats_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async with gateway_over(nats_server, tmp_path, ["500", "500"]) as s:
+        with pytest.raises(openai.InternalServerError) as info:
+            await _ask(s.api)
+        assert info.value.status_code == 503 and info.value.response.headers["Retry-After"] == "5"
+
+
+@pytest.mark.slow
+async def test_usage_made_while_the_bus_is_down_is_spooled_and_delivered_later(tmp_path: Path) -> None:
+    server = EmbeddedNatsServer(tmp_path / "nats")
+    await server.start()
+    try:
+        async with gateway_over(server, tmp_path, ["ok"]) as s:
+            await _ask(s.api)
+            await wait_for(lambda: s.gateway.usage_published == 1)
+            port = int(server.url.rsplit(":", 1)[1])
+            await server.stop()
+            await wait_for(lambda: not s.gateway.nc.is_connected)
+            for _ in range(5):  # HTTP members need no bus: serving goes on
+                await _ask(s.api)
+            await wait_for(lambda: s.gateway.spool.has_pending(), timeout_s=15)
+            assert s.gateway.usage_published == 1
+            server.port = port  # same address and JetStream store: the gateway reconnects by itself
+            await server.start()
+            await wait_for(lambda: s.gateway.usage_published == 6 and not s.gateway.spool.has_pending(),
+                           timeout_s=30)
+            reader = await connect(server.url, "reader")
+            try:
+                sub = await reader.jetstream().pull_subscribe(subjects.USAGE_SUBJECTS, stream=subjects.STREAM_USAGE)
+                msgs = await sub.fetch(10, timeout=2)
+                records = [decode(m.data, UsageRecord) for m in msgs]
+                assert len(records) == 6 and len({r.request_id for r in records}) == 6  # none lost, none twice
+                assert all(r.status == "ok" and r.output_tokens == 1 for r in records)
+            finally:
+                await reader.close()
+    finally:
+        await server.stop()
+
+
+async def test_http_member_is_not_tried_for_a_bad_request(nats_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async with gateway_over(nats_server, tmp_path, ["ok"]) as s, aiohttp.ClientSession() as http:
+        async with http.post(s.url + "/v1/chat/completions", json={"model": "m", "messages": "nope"},
+                             headers={"Authorization": f"Bearer {s.gateway.bootstrap[1]}"}) as r:  # type: ignore[index]
+            assert r.status == 400
+        assert s.members[0].hits == 0
