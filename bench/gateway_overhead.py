@@ -443,9 +443,13 @@ def main() -> None:
                                   f"nats://127.0.0.1:{nats_port}", "--config", str(pools),
                                   "--data-dir", str(work / "gw-data")], work)
             procs.append(gw)
+            # everything on: the gateway checks the bootstrap admin's API key on every request (printed
+            # once, before its ready line)
+            gw_key = gw.wait_line("first start:", 60).split("API key ", 1)[1].split(";")[0]
             gw_url = gw.wait_line("llmgw gateway ready:", 60).split()[-1]
+            gw_auth = {"Authorization": f"Bearer {gw_key}"}
 
-            targets: list[tuple[str, str, dict[str, str]]] = [("direct", null_url, {}), ("gateway", gw_url, {})]
+            targets: list[tuple[str, str, dict[str, str]]] = [("direct", null_url, {}), ("gateway", gw_url, gw_auth)]
             for name, base, hdrs in targets:
                 check_target(name, base, hdrs)
             if args.no_litellm:
