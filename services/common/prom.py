@@ -69,7 +69,8 @@ class PromText:
     def _declare(self, name: str, kind: str, help_text: str) -> None:
         if name not in self._declared:
             self._declared.add(name)
-            self._lines.append(f"# HELP {name} {help_text}")
+            escaped = help_text.replace("\\", "\\\\").replace("\n", "\\n")  # the format's HELP escapes
+            self._lines.append(f"# HELP {name} {escaped}")
             self._lines.append(f"# TYPE {name} {kind}")
 
     def gauge(self, name: str, help_text: str, value: float | None, labels: Mapping[str, str] = {}) -> None:

@@ -78,7 +78,11 @@ def document() -> dict[str, Any]:
             "/metrics": _get("Prometheus metrics"),
             "/openapi.json": _get("This document"),
         },
-        "components": {"schemas": {"Error": {"type": "object", "required": ["error"], "properties": {
+        "security": [{"apiKey": []}],
+        "components": {"securitySchemes": {"apiKey": {
+            "type": "http", "scheme": "bearer",
+            "description": "An API key (sk-…) from the account page; /backends takes an admin's key"}},
+            "schemas": {"Error": {"type": "object", "required": ["error"], "properties": {
             "error": {"type": "object", "required": ["message", "type"], "properties": {
                 "message": {"type": "string"}, "type": {"type": "string"},
                 "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}},

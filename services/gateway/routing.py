@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proto import SlotHeartbeat
+from services.common.load_score import RoutingWeights, load_score
 from services.gateway.affinity import AffinityHit, AffinityTable, PinTable, PrefixKey, prefix_hashes
 
 __all__ = [
@@ -29,14 +30,6 @@ __all__ = [
     "RouteRequest", "RoutingWeights", "load_score", "pick", "prefix_hashes", "record_route", "unseen_bookings",
 ]
 
-# docs/routing.md §1: vLLM's own signals (running/max_num_seqs, KV usage, waiting) weighed as the
-# existing gateway does for vLLM backends; max_num_seqs is the heartbeat's ``lanes``.
-VLLM_RUNNING_WEIGHT = 0.6
-VLLM_KV_WEIGHT = 0.3
-VLLM_WAITING_WEIGHT = 0.1
-VLLM_WAITING_CAP = 5
-
-_LANE_KINDS = frozenset({"native", "ninfer"})
 _NOT_ROUTABLE = frozenset({"down", "stopped", "draining"})
 
 Reason = Literal[
@@ -44,17 +37,6 @@ Reason = Literal[
     "pin_broken_busy", "pin_broken_down", "no_live_member", "no_member_fits_context",
 ]
 Basis = Literal["heartbeat", "no_signal", "in_flight_only"]
-
-
-@dataclass(frozen=True)
-class RoutingWeights:
-    """Gateway-level scoring knobs (pools file ``metrics``)."""
-
-    ninfer_lane_weight: float = 0.75
-    ninfer_queue_weight: float = 0.15
-    ninfer_pressure_weight: float = 0.10
-    kv_high_water: float = 0.9
-    stale_after_s: float = 3.0
 
 
 @dataclass(frozen=True)
@@ -166,50 +148,6 @@ def unseen_bookings(m: MemberState) -> int:
     if m.admitted is None:
         return m.in_flight
     return max(0, min(m.in_flight, m.routed_total - m.admitted))
-
-
-def _counter_rose(hb: SlotHeartbeat, previous: SlotHeartbeat | None) -> bool:
-    if previous is None or previous.session_id != hb.session_id:
-        return False
-    pairs = (
-        (hb.kv_spills_total, previous.kv_spills_total),
-        (hb.kv_evictions_total, previous.kv_evictions_total),
-        (hb.preemptions_total, previous.preemptions_total),
-    )
-    return any(now is not None and before is not None and now > before for now, before in pairs)
-
-
-def _kv_pressure(hb: SlotHeartbeat, previous: SlotHeartbeat | None, w: RoutingWeights) -> float:
-    if _counter_rose(hb, previous):
-        return 1.0
-    if hb.kv_usage is not None and hb.kv_usage >= w.kv_high_water:
-        return hb.kv_usage
-    return 0.0
-
-
-def load_score(kind: str, hb: SlotHeartbeat, previous: SlotHeartbeat | None, booked: int,
-               weights: RoutingWeights) -> float | None:
-    """Load in [0, 1] from the heartbeat plus ``booked`` unseen requests; None = no lane signal.
-
-    Booked requests fill free lanes first and wait beyond them (docs/routing.md §1).
-    """
-    if kind not in _LANE_KINDS and kind != "vllm":
-        return None
-    if not hb.lanes or hb.running is None:
-        return None
-    lanes = hb.lanes
-    running = hb.running + booked
-    waiting = hb.waiting or 0
-    if running > lanes:
-        waiting += running - lanes
-        running = lanes
-    if kind == "vllm":
-        return (VLLM_RUNNING_WEIGHT * running / lanes + VLLM_KV_WEIGHT * (hb.kv_usage or 0.0)
-                + VLLM_WAITING_WEIGHT * min(waiting, VLLM_WAITING_CAP) / VLLM_WAITING_CAP)
-    lane_p = 1.0 if waiting > 0 else min(running / lanes, 1.0)
-    queue_p = min(waiting / max(lanes / 2, 1), 1.0)
-    return (weights.ninfer_lane_weight * lane_p + weights.ninfer_queue_weight * queue_p
-            + weights.ninfer_pressure_weight * _kv_pressure(hb, previous, weights))
 
 
 def _backlog(m: MemberState, booked: int) -> float:

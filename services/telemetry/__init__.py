@@ -1,7 +1,17 @@
-"""Telemetry: brings engines that only speak HTTP onto the bus.
+"""Telemetry: brings engines that only speak HTTP onto the bus (docs/telemetry.md).
 
-This first cut probes each configured HTTP member for reachability (``GET /v1/models``, falling back to
-``GET /health``) and publishes a normalized SlotHeartbeat per member with ``engine_kind="stock"``: the
-load fields stay null ("no signal"), never a made-up 0. Engine-specific scrapers (NInfer ``/slots`` +
-``/usage``, vLLM/llama.cpp/SGLang ``/metrics``) are issue #6.
+Each HTTP member is scraped on its own loop; what it speaks is detected from what it answers (NInfer
+``/slots`` + ``/usage``, vLLM / llama.cpp / SGLang ``/metrics``, llama.cpp's ``/slots`` array, else a stock
+OpenAI server reachable on ``/v1/models`` or ``/health``) and turned into a normalized SlotHeartbeat on
+``llm.v1.hb.<member_id>`` and the ``llm_workers`` KV bucket, with null for every figure the engine does
+not give. Engine-reported energy goes to the ENERGY stream.
+
+Modules: ``promparse`` (Prometheus text parser) and ``normalize`` (bodies → Reading) and ``probe`` (health,
+heartbeat and energy-sample building) and ``discovery`` and ``views`` are pure; ``scraper`` (HTTP) and
+``service`` (loops, bus, telemetry's own /metrics) are the I/O shell.
+
+Errors: ``promparse.PromParseError`` (a ``/metrics`` line that is not Prometheus text) and
+``normalize.MalformedBody`` (a body that cannot be what its endpoint should answer) are raised by the pure
+core; ``scraper.ScrapeError`` (member, endpoint, reason) is the one failure the shell acts on — it and a
+scrape deadline count as a failed scrape; nothing a member answers can stop the loop.
 """

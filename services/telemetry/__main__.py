@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 from pathlib import Path
 
 from proto import subjects
 from services.common import pool_config
 from services.common.bus import bus_session, nats_url_from_env
+from services.common.http import serving
 from services.common.runtime import ConfigError, announce, data_dir, run_async_main, setup_logging
+from services.telemetry import discovery
 from services.telemetry.probe import Member
 from services.telemetry.service import TelemetryConfig, TelemetryService
 
@@ -19,40 +22,84 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an HTTP engine to watch (repeatable; also $LLMGW_TELEMETRY_MEMBERS, comma-separated)")
     parser.add_argument("--config", default=os.environ.get("LLMGW_CONFIG"),
                         help="the gateway's pools file: its HTTP members are watched (also $LLMGW_CONFIG)")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between probes (>= 0.1)")
+    parser.add_argument("--discover", action="append", default=[], metavar="HOST:PORT-PORT",
+                        help="probe these ports with GET /v1/models and watch what answers (repeatable)")
+    parser.add_argument("--lanes", action="append", default=[], metavar="ID=N",
+                        help="a vLLM member's max_num_seqs, which vLLM does not export (repeatable)")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between scrapes (>= 0.1)")
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds one scrape may take")
+    parser.add_argument("--energy-interval", type=float, default=5.0,
+                        help="seconds between energy samples per member (engine-reported energy)")
+    parser.add_argument("--host", default="127.0.0.1", help="address of telemetry's /metrics server")
+    parser.add_argument("--port", type=int, default=None,
+                        help="port of telemetry's /metrics server (default: $LLMGW_TELEMETRY_PORT, else 0 = any)")
     parser.add_argument("--nats", help="NATS URL (default: $NATS_URL, else an embedded server)")
     parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
 
 
-def build_config(args: argparse.Namespace) -> TelemetryConfig:
-    specs = list(args.member)
-    env = os.environ.get("LLMGW_TELEMETRY_MEMBERS", "")
-    specs += [s for s in env.split(",") if s.strip()]
-    members = []
+def _pairs(specs: list[str], key: str, example: str) -> list[tuple[str, str]]:
+    out = []
     for spec in specs:
-        member_id, sep, url = spec.strip().partition("=")
-        if not sep or not url.startswith(("http://", "https://")):
-            raise ConfigError("member", f"{spec!r} must look like ID=http://host:port")
+        left, sep, right = spec.strip().partition("=")
+        if not sep or not right:
+            raise ConfigError(key, f"{spec!r} must look like {example}")
         try:
-            subjects.check_id(member_id)
+            subjects.check_id(left)
         except ValueError as exc:
-            raise ConfigError("member", str(exc)) from None
-        members.append(Member(member_id, url))
+            raise ConfigError(key, str(exc)) from None
+        out.append((left, right))
+    return out
+
+
+def _port(flag: int | None) -> int:
+    raw = str(flag) if flag is not None else os.environ.get("LLMGW_TELEMETRY_PORT", "0")
+    if not raw.isdigit() or int(raw) > 65535:
+        raise ConfigError("port", f"{raw!r} must be a port number (0 picks a free one)")
+    return int(raw)
+
+
+def build_config(args: argparse.Namespace) -> TelemetryConfig:
+    env = os.environ.get("LLMGW_TELEMETRY_MEMBERS", "")
+    specs = [*args.member, *(s for s in env.split(",") if s.strip())]
+    lanes = {}
+    for member_id, value in _pairs(args.lanes, "lanes", "ID=256"):
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError("lanes", f"{member_id}: {value!r} must be a positive integer")
+        lanes[member_id] = int(value)
+    members = []
+    for member_id, url in _pairs(specs, "member", "ID=http://host:port"):
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError("member", f"{member_id}={url!r} must look like ID=http://host:port")
+        members.append(Member(member_id, url.rstrip("/"), lanes.get(member_id)))
     if args.config:
         known = {m.member_id for m in members}
         for m in pool_config.load(Path(args.config)).http_members():
             if m.member_id not in known:
-                members.append(Member(m.member_id, m.backend))
+                members.append(Member(m.member_id, m.backend.rstrip("/"), lanes.get(m.member_id)))
+    unknown = sorted(set(lanes) - {m.member_id for m in members})
+    if unknown:
+        raise ConfigError("lanes", f"no member {unknown[0]!r}")
     if args.interval < 0.1:
         raise ConfigError("interval", "must be >= 0.1 seconds")
-    return TelemetryConfig(members=tuple(members), interval_s=args.interval)
+    if args.timeout <= 0:
+        raise ConfigError("timeout", "must be > 0 seconds")
+    if args.energy_interval < args.interval:
+        raise ConfigError("energy-interval", "must be >= --interval")
+    return TelemetryConfig(members=tuple(members), interval_s=args.interval, timeout_s=args.timeout,
+                           energy_interval_s=args.energy_interval,
+                           discover=tuple(discovery.parse_range(s) for s in args.discover))
 
 
 async def run(args: argparse.Namespace) -> None:
     config = build_config(args)
+    port = _port(args.port)
     async with bus_session(nats_url_from_env(args.nats), "telemetry", data_dir(args.data_dir)) as nc:
-        announce("telemetry", f"watching {len(config.members)} HTTP member(s) every {config.interval_s:g}s")
-        await TelemetryService(nc, config).run()
+        service = TelemetryService(nc, config)
+        async with serving(service.app(), args.host, port) as url, asyncio.TaskGroup() as tasks:
+            tasks.create_task(service.run(), name="telemetry")
+            announce("telemetry", f"{url} watching {len(config.members)} HTTP member(s) every "
+                                  f"{config.interval_s:g}s" + (f", discovering {len(config.discover)} range(s)"
+                                                               if config.discover else ""))
 
 
 def main(argv: list[str] | None = None) -> None:

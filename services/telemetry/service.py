@@ -1,28 +1,80 @@
-"""Telemetry's I/O shell: probe HTTP members on a timer and publish their heartbeats."""
+"""Telemetry's I/O shell: one scrape loop per HTTP member, heartbeats and energy on the bus, /metrics.
+
+Each member has its own loop (a slow or hung member delays only itself), phase-shifted across the
+interval so 200 members do not all fire in the same millisecond. All loops share one aiohttp session.
+Per scrape::
+
+    ok   → SlotHeartbeat(state="ready", ts_s=scrape start) on llm.v1.hb.<id> and the llm_workers KV bucket;
+           an EnergySample on ENERGY when the engine reported energy (at most every energy_interval_s)
+    1st failure → nothing: gateways keep the last reading, which ages (their stale threshold applies)
+    2nd+ failure → SlotHeartbeat(state="down"), logged once; the member's kind is re-detected next time
+    success after down → "recovered", logged once
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 
 import aiohttp
+from aiohttp import web
 from nats.aio.client import Client
+from nats.js.kv import KeyValue
 
-from proto import encode, subjects
-from services.common.runtime import new_session_id
-from services.telemetry.probe import Member, model_ids, stock_heartbeat
+from proto import SlotHeartbeat, encode, subjects
+from services.common.http import error_middleware
+from services.common.runtime import new_session_id, raise_if_cancelling
+from services.telemetry import discovery, views
+from services.telemetry.normalize import MalformedBody, Reading, models_info
+from services.telemetry.probe import Health, Member, down_heartbeat, energy_sample, heartbeat
+from services.telemetry.scraper import Knowledge, ScrapeError, Scraper
 
 log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 256  # the shared pool: enough for every member's keep-alive connection at 200 members
+DISCOVERY_CONCURRENCY = 32
+PUBLISH_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
 class TelemetryConfig:
     members: tuple[Member, ...]
     interval_s: float = 1.0
-    timeout_s: float = 2.0
+    timeout_s: float = 2.0  # one scrape (detection included) must finish within this
+    energy_interval_s: float = 5.0
+    discover: tuple[discovery.PortRange, ...] = ()
+    discover_interval_s: float = 30.0
+
+
+@dataclass
+class MemberState:
+    """The shell's bookkeeping for one member (the loop that owns it is the only writer)."""
+
+    member: Member
+    is_discovered: bool = False
+    knowledge: Knowledge = field(default_factory=Knowledge)
+    health: Health = field(default_factory=Health)
+    last: Reading | None = None
+    heartbeat: SlotHeartbeat | None = None
+    previous: SlotHeartbeat | None = None
+    last_ok_s: float | None = None
+    seq: int = 0
+    scrapes_total: int = 0
+    failures_total: int = 0
+    energy_seq: int = 0
+    energy_sent_s: float = float("-inf")
+
+    def status(self) -> views.MemberStatus:
+        return views.MemberStatus(
+            member_id=self.member.member_id, url=self.member.url, engine_kind=self.knowledge.kind or (
+                self.last.engine_kind if self.last else None),
+            is_up=self.scrapes_total > 0 and not self.health.is_down,
+            heartbeat=self.heartbeat, previous=self.previous, last_ok_s=self.last_ok_s,
+            scrapes_total=self.scrapes_total, failures_total=self.failures_total, is_discovered=self.is_discovered,
+        )
 
 
 class TelemetryService:
@@ -30,39 +82,184 @@ class TelemetryService:
         self.nc = nc
         self.config = config
         self.session_id = new_session_id()
-        self._seq = 0
-        self._failures = {m.member_id: 0 for m in config.members}
-        self._models: dict[str, list[str]] = {m.member_id: [] for m in config.members}
+        self.members: dict[str, MemberState] = {m.member_id: MemberState(m) for m in config.members}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._group: asyncio.TaskGroup | None = None
+        self._kv: KeyValue | None = None
+        self._scraper: Scraper | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Scrape until cancelled."""
+        connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, limit_per_host=0, ttl_dns_cache=300)
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            while True:
-                started = time.monotonic()
-                await asyncio.gather(*(self._probe(http, m) for m in self.config.members))
-                await asyncio.sleep(max(0.0, self.config.interval_s - (time.monotonic() - started)))
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http, \
+                asyncio.TaskGroup() as group:
+            self._scraper = Scraper(http)
+            self._group = group
+            for state in list(self.members.values()):
+                self._start(state)
+            if self.config.discover:
+                group.create_task(self._discover_forever(http), name="telemetry-discovery")
+            await asyncio.Event().wait()  # with no member yet (none configured) keep serving until cancelled
 
-    async def _probe(self, http: aiohttp.ClientSession, member: Member) -> None:
-        ok = False
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-            async with http.get(member.url.rstrip("/") + "/v1/models") as resp:
-                if resp.status == 200:
-                    self._models[member.member_id] = model_ids(await resp.json(content_type=None))
-                    ok = True
-            if not ok:
-                async with http.get(member.url.rstrip("/") + "/health") as resp:
-                    ok = resp.status == 200
-        was_down = self._failures[member.member_id] >= 2
-        self._failures[member.member_id] = 0 if ok else self._failures[member.member_id] + 1
-        if was_down and ok:
-            log.info("member %s is reachable again", member.member_id)
-        elif not ok and self._failures[member.member_id] == 2:
-            log.warning("member %s marked down after 2 failed probes", member.member_id)
-        self._seq += 1
-        hb = stock_heartbeat(
-            member, session_id=self.session_id, seq=self._seq, ts_s=time.time(),
-            models=self._models[member.member_id], consecutive_failures=self._failures[member.member_id],
-            interval_s=self.config.interval_s,
-        )
-        with contextlib.suppress(Exception):
-            await self.nc.publish(subjects.heartbeat(member.member_id), encode(hb))
+    def _start(self, state: MemberState) -> None:
+        assert self._group is not None
+        mid = state.member.member_id
+        self._tasks[mid] = self._group.create_task(self._watch(state), name=f"telemetry-{mid}")
+
+    # ---- scraping ----------------------------------------------------------------------------------
+
+    def _phase_s(self, member_id: str) -> float:
+        """A stable offset within the interval (crc32 of the id), spreading scrapes evenly."""
+        return self.config.interval_s * (zlib.crc32(member_id.encode()) % 1000) / 1000
+
+    async def _watch(self, state: MemberState) -> None:
+        interval = self.config.interval_s
+        await asyncio.sleep(self._phase_s(state.member.member_id))
+        next_s = time.monotonic()
+        while True:
+            await self.scrape_once(state)
+            next_s += interval
+            now = time.monotonic()
+            if next_s < now:  # a slow scrape: skip the ticks it overran rather than bursting to catch up
+                next_s += interval * ((now - next_s) // interval + 1)
+            await asyncio.sleep(next_s - now)
+
+    async def scrape_once(self, state: MemberState) -> None:
+        """Scrape one member, publish what it says (or that it is down). Never raises but for cancellation."""
+        assert self._scraper is not None
+        member = state.member
+        started_s = time.time()
+        state.scrapes_total += 1
+        reading: Reading | None = None
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                reading, state.knowledge = await self._scraper.scrape(member, state.knowledge)
+        except ScrapeError as exc:
+            reason = str(exc)
+        except TimeoutError:
+            raise_if_cancelling()
+            reason = f"{member.member_id}: no answer within {self.config.timeout_s:g}s"
+        except Exception:  # a body no normaliser foresaw: a failed scrape, never a dead telemetry service
+            log.exception("scrape of %s failed unexpectedly", member.member_id)
+            reason = f"{member.member_id}: unexpected error (logged)"
+        transition = state.health.observe(reading is not None)
+        if reading is None:
+            state.failures_total += 1
+            state.knowledge = Knowledge()  # detect afresh: the engine may have been replaced
+            if transition == "down":
+                log.warning("member %s down after %d failed scrapes: %s", member.member_id,
+                            state.health.consecutive_failures, reason)
+            else:
+                log.debug("scrape failed: %s", reason)
+            if state.health.is_down:
+                state.seq += 1
+                await self._publish(state, down_heartbeat(member, state.last, session_id=self.session_id,
+                                                          seq=state.seq, ts_s=started_s,
+                                                          interval_s=self.config.interval_s))
+            return
+        if transition == "recovered":
+            log.info("member %s recovered (%s)", member.member_id, reading.engine_kind)
+        elif state.last is None or state.last.engine_kind != reading.engine_kind:
+            log.info("member %s speaks %s", member.member_id, reading.engine_kind)
+        state.last = reading
+        state.last_ok_s = started_s
+        state.seq += 1
+        await self._publish(state, heartbeat(member, reading, session_id=self.session_id, seq=state.seq,
+                                             ts_s=started_s, interval_s=self.config.interval_s))
+        if started_s - state.energy_sent_s >= self.config.energy_interval_s:
+            await self._publish_energy(state, reading, started_s)
+
+    # ---- bus ---------------------------------------------------------------------------------------
+
+    async def _publish(self, state: MemberState, hb: SlotHeartbeat) -> None:
+        """Core publish for live gateways, KV put for gateways that start later; a bus outage costs
+        heartbeats (the next one carries the news), never the loop."""
+        state.previous, state.heartbeat = state.heartbeat, hb
+        data = encode(hb)
+        try:
+            await self.nc.publish(subjects.heartbeat(hb.worker_id), data)
+            if self._kv is None:
+                self._kv = await self.nc.jetstream().key_value(subjects.KV_WORKERS)
+            await self._kv.put(hb.worker_id, data)
+        except Exception as exc:
+            log.debug("heartbeat of %s not stored: %s", hb.worker_id, exc)
+
+    async def _publish_energy(self, state: MemberState, reading: Reading, ts_s: float) -> None:
+        sample = energy_sample(state.member, reading, session_id=self.session_id, seq=state.energy_seq + 1,
+                               ts_s=ts_s)
+        if sample is None:
+            return
+        state.energy_seq += 1
+        state.energy_sent_s = ts_s
+        msg_id = f"energy-{sample.worker_id}-{sample.session_id}-{sample.seq}"
+        try:
+            await self.nc.jetstream().publish(subjects.energy(sample.worker_id), encode(sample),
+                                              headers={"Nats-Msg-Id": msg_id}, timeout=PUBLISH_TIMEOUT_S)
+        except Exception as exc:  # cumulative: the next sample carries this interval's energy too
+            log.warning("energy sample %d of %s not published: %s", sample.seq, sample.worker_id, exc)
+
+    # ---- discovery ---------------------------------------------------------------------------------
+
+    async def _discover_forever(self, http: aiohttp.ClientSession) -> None:
+        while True:
+            await self.discover_once(http)
+            await asyncio.sleep(self.config.discover_interval_s)
+
+    async def discover_once(self, http: aiohttp.ClientSession) -> list[str]:
+        """Probe every configured port not yet watched; start watching those that answer. Returns new ids."""
+        watched = {m.member.url for m in self.members.values()}
+        gate = asyncio.Semaphore(DISCOVERY_CONCURRENCY)
+
+        async def probe(url: str) -> bool:
+            async with gate:
+                try:
+                    async with asyncio.timeout(self.config.timeout_s), http.get(url + "/v1/models") as resp:
+                        if resp.status != 200:
+                            return False
+                        models_info(await resp.json(content_type=None))
+                        return True
+                except (aiohttp.ClientError, ValueError, MalformedBody):
+                    return False
+                except TimeoutError:
+                    raise_if_cancelling()
+                    return False
+
+        candidates = [(r.host, port, r.url(port)) for r in self.config.discover for port in r.ports()
+                      if r.url(port) not in watched]
+        answers = await asyncio.gather(*(probe(url) for _, _, url in candidates))
+        found = []
+        for (host, port, url), ok in zip(candidates, answers, strict=True):
+            mid = discovery.discovered_id(host, port)
+            if ok and mid not in self.members:
+                state = self.members[mid] = MemberState(Member(mid, url), is_discovered=True)
+                log.info("discovered %s at %s", mid, url)
+                self._start(state)
+                found.append(mid)
+        return found
+
+    # ---- HTTP --------------------------------------------------------------------------------------
+
+    def statuses(self) -> list[views.MemberStatus]:
+        return [s.status() for s in self.members.values()]
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[error_middleware])
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/members", self._members)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = views.metrics_text(self.statuses(), time.time())
+        return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def _members(self, request: web.Request) -> web.Response:
+        return web.json_response(views.members_body(self.statuses(), time.time()))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "members": len(self.members),
+                                  "bus": "connected" if self.nc.is_connected else "disconnected"})
+

@@ -394,8 +394,8 @@ async def test_explain_backends_openapi_and_metrics_describe_the_pool(pool: Pool
         assert rows[wid]["engine_kind"] == "native" and rows[wid]["transport"] == "bus"
         assert isinstance(rows[wid]["load_score"], float) and rows[wid]["no_signal"] is False
     http = rows[pool.http_id]
-    assert http["engine_kind"] == "stock" and http["transport"] == "http" and http["backend"] == pool.http_url
-    assert http["load_score"] is None and http["no_signal"] is True
+    assert http["engine_kind"] == "ninfer" and http["transport"] == "http" and http["backend"] == pool.http_url
+    assert isinstance(http["load_score"], float) and http["no_signal"] is False  # telemetry read its /slots
     for row in rows.values():
         assert 0 <= row["heartbeat_age_s"] < 1.0 and row["stale"] is False and row["down"] is False
 
@@ -404,7 +404,8 @@ async def test_explain_backends_openapi_and_metrics_describe_the_pool(pool: Pool
     served: dict[str, set[str]] = collections.defaultdict(set)
     for route in pool.gateway.app().router.routes():
         path = route.resource.canonical if route.resource is not None else ""
-        if route.method != "HEAD" and not path.startswith("/admin/"):
+        is_page = path in ("/", "/login", "/logout") or path.startswith(("/admin/", "/account", "/static/"))
+        if route.method != "HEAD" and not is_page:  # the browser pages are not the API
             served[path].add(route.method.lower())
     assert {p: set(ops) for p, ops in documented.items()} == served
 
@@ -416,8 +417,8 @@ async def test_explain_backends_openapi_and_metrics_describe_the_pool(pool: Pool
     requests = [s for s in families["llmgw_requests"].samples if s.name == "llmgw_requests_total"]
     assert sum(s.value for s in requests) == 1
     assert families["llmgw_member_load_score"].type == "gauge"
-    # the HTTP member has no load signal: absent, never a made-up 0
-    assert {s.labels["member"] for s in families["llmgw_member_load_score"].samples} == {"w1", "w2"}
+    # every member has a load signal here (the HTTP one through telemetry); one without would be absent
+    assert {s.labels["member"] for s in families["llmgw_member_load_score"].samples} == set(pool.members)
     assert {s.labels["member"] for s in families["llmgw_member_in_flight"].samples} == set(pool.members)
     assert "llmgw_routing_decisions" in families and "llmgw_request_latency_seconds" in families
 

@@ -114,8 +114,8 @@ async def test_a_pool_with_no_live_member_answers_503_with_retry_after(stack: St
     stack.gateway.file_config = pool_config.parse({"model_pools": {"ghost": {"members": [
         {"model_id": "ghost", "backend": "bus:nobody-home"}]}}})
     async with aiohttp.ClientSession() as http, http.post(
-        stack.base_url + "/v1/chat/completions", json={"model": "ghost", "messages": [{"role": "user", "content": "x"}]},
-        headers=stack.auth,
+        stack.base_url + "/v1/chat/completions", headers=stack.auth,
+        json={"model": "ghost", "messages": [{"role": "user", "content": "x"}]},
     ) as resp:
         assert resp.status == 503
         assert resp.headers["Retry-After"] == "5"

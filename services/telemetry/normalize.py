@@ -1,0 +1,329 @@
+"""Pure: what an engine answered (JSON bodies, parsed ``/metrics``) → one :class:`Reading` per scrape.
+
+One normaliser per engine kind; each fills only what that engine says and leaves the rest None
+("unknown", never a made-up 0). Field by field, docs/telemetry.md has the table; the shapes are in
+shared/reference/interop.md. Bodies are foreign input: a wrong type reads as unknown, and a body that
+cannot be the kind at all raises :class:`MalformedBody`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from proto.messages import EngineKind
+from services.telemetry.promparse import Exposition
+
+WH_TO_MJ = 3.6e6  # 1 Wh = 3600 J = 3.6e6 mJ
+
+
+class MalformedBody(ValueError):
+    """A body that cannot be what the endpoint should answer (``endpoint`` names which)."""
+
+    def __init__(self, endpoint: str, reason: str) -> None:
+        super().__init__(f"{endpoint}: {reason}")
+        self.endpoint = endpoint
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What one scrape learned about a member; the SlotHeartbeat fields it could fill, plus energy.
+
+    ``energy_wh_total`` is the sum of the engine's own per-day Wh figures (NInfer ``/usage``
+    ``energy.daily``), None when it reported no day with a figure.
+    """
+
+    engine_kind: EngineKind
+    model_id: str = ""
+    lanes: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+    max_context: int | None = None
+    kv_usage: float | None = None
+    kv_blocks_used: int | None = None
+    kv_blocks_total: int | None = None
+    kv_spills_total: int | None = None
+    kv_evictions_total: int | None = None
+    preemptions_total: int | None = None
+    admitted_total: int | None = None
+    prompt_tokens_queried_total: int | None = None
+    prompt_tokens_hit_total: int | None = None
+    prefill_tok_per_s: float | None = None
+    decode_tok_per_s: float | None = None
+    energy_today_wh: float | None = None
+    energy_wh_total: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelsInfo:
+    """From ``GET /v1/models``: served model ids and, where the server says (vLLM), the context limit."""
+
+    model_ids: tuple[str, ...] = ()
+    max_context: int | None = None
+
+    @property
+    def model_id(self) -> str:
+        return self.model_ids[0] if self.model_ids else ""
+
+
+# ---- typed access to foreign JSON ------------------------------------------------------------------
+
+
+def _get(body: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(body, dict):
+            return None
+        body = body.get(key)
+    return body
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, float) and math.isfinite(value) and value >= 0:
+        return int(value)
+    return None
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _ratio(value: float | None) -> float | None:
+    return None if value is None else min(max(value, 0.0), 1.0)
+
+
+def _count(value: float | None) -> int | None:
+    """A Prometheus gauge or counter read as a count (they are floats on the wire)."""
+    return None if value is None or not math.isfinite(value) or value < 0 else round(value)
+
+
+def models_info(body: Any) -> ModelsInfo:
+    """An OpenAI ``GET /v1/models`` body; raises MalformedBody when it is not one."""
+    data = _get(body, "data")
+    if not isinstance(data, list):
+        raise MalformedBody("/v1/models", "no 'data' list")
+    ids = tuple(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+    lengths = [n for m in data if (n := _int(_get(m, "max_model_len")))]
+    return ModelsInfo(ids, min(lengths) if lengths else None)
+
+
+# ---- NInfer-class: /slots + /usage ----------------------------------------------------------------
+
+
+def is_ninfer_slots(body: Any) -> bool:
+    """interop.md: a backend is NInfer-class when ``/slots`` is an object with a non-zero ``max_concurrency``."""
+    return bool(_int(_get(body, "max_concurrency")))
+
+
+def daily_wh_total(usage: Any) -> float | None:
+    """Sum of the non-null ``energy.daily[*].wh``; None when no day has a figure.
+
+    The engine keeps ~31 UTC days, so the sum only grows while days fill and shrinks when the oldest
+    day is pruned (or the engine loses its metrics state): the accounting treats a shrinking counter
+    as a reset and flags that interval instead of guessing.
+    """
+    daily = _get(usage, "energy", "daily")
+    if not isinstance(daily, dict):
+        return None
+    figures = [wh for day in daily.values() if (wh := _float(_get(day, "wh"))) is not None and wh >= 0]
+    return math.fsum(figures) if figures else None
+
+
+def ninfer_reading(slots: Any, usage: Any | None) -> Reading:
+    """``/slots`` (required: lanes, running, waiting, KV pages) and ``/usage`` (optional: counters,
+    throughput, energy). ``health.sessions_evicted`` is the fork's KV eviction count."""
+    if not is_ninfer_slots(slots):
+        raise MalformedBody("/slots", "not an NInfer /slots object (no non-zero max_concurrency)")
+    used = _int(_get(slots, "kv_pages", "main_occupied"))
+    total = _int(_get(slots, "kv_pages", "total"))
+    kv_usage = _ratio(_float(_get(usage, "health", "kv_usage")))
+    if kv_usage is None and used is not None and total:
+        kv_usage = _ratio(used / total)
+    model = _get(slots, "model") or _get(usage, "model")
+    return Reading(
+        engine_kind="ninfer",
+        model_id=model if isinstance(model, str) else "",
+        lanes=_int(slots["max_concurrency"]),
+        running=_int(_get(slots, "requests_processing")),
+        waiting=_int(_get(slots, "requests_waiting")),
+        kv_usage=kv_usage,
+        kv_blocks_used=used,
+        kv_blocks_total=total or None,
+        kv_spills_total=_int(_get(usage, "health", "kv_pressure_spills")),
+        kv_evictions_total=_int(_get(usage, "health", "sessions_evicted")),
+        admitted_total=_int(_get(usage, "requests", "total")),
+        prompt_tokens_queried_total=_int(_get(usage, "tokens", "input", "total")),
+        prompt_tokens_hit_total=_int(_get(usage, "tokens", "input", "cache_hits")),
+        prefill_tok_per_s=_float(_get(usage, "throughput", "prefill_tok_per_s")),
+        decode_tok_per_s=_float(_get(usage, "throughput", "decode_tok_per_s")),
+        energy_today_wh=_float(_get(usage, "energy", "today", "wh")),
+        energy_wh_total=daily_wh_total(usage),
+    )
+
+
+# ---- Prometheus-speaking engines ------------------------------------------------------------------
+
+# Families each kind's normaliser reads: everything else (histogram buckets above all) is skipped unparsed.
+VLLM_FAMILIES = frozenset({
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_hits_total", "vllm:num_preemptions_total",
+    "vllm:cache_config_info", "vllm:prompt_tokens_total",
+})
+LLAMACPP_FAMILIES = frozenset({
+    "llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:kv_cache_usage_ratio",
+    "llamacpp:kv_cache_tokens", "llamacpp:prompt_tokens_total", "llamacpp:prompt_cache_tokens_total",
+    "llamacpp:prompt_tokens_seconds", "llamacpp:predicted_tokens_seconds",
+})
+SGLANG_FAMILIES = frozenset({
+    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:max_running_requests",
+    "sglang:max_total_num_tokens", "sglang:num_used_tokens", "sglang:gen_throughput",
+})
+_KINDS_BY_PREFIX: tuple[tuple[str, EngineKind], ...] = (("vllm:", "vllm"), ("sglang:", "sglang"),
+                                                         ("llamacpp:", "llamacpp"))
+
+
+def wanted_family(name: str) -> bool:
+    """The ``keep`` for :func:`promparse.parse`: the families some normaliser reads (with or without
+    ``_total``, as exporters differ)."""
+    if name.startswith("vllm:"):
+        return name in VLLM_FAMILIES or name + "_total" in VLLM_FAMILIES
+    if name.startswith("llamacpp:"):
+        return name in LLAMACPP_FAMILIES or name + "_total" in LLAMACPP_FAMILIES
+    if name.startswith("sglang:"):
+        return name in SGLANG_FAMILIES or name + "_total" in SGLANG_FAMILIES
+    return False
+
+
+def metrics_kind(metrics: Exposition) -> EngineKind | None:
+    """The engine kind a ``/metrics`` body speaks for, by its metric prefix; None for anything else.
+
+    Order matters: NInfer forks (and our engine) also export ``llamacpp:*``, and our engine exports
+    ``vllm:*`` too, which is why ``/slots`` is asked first (scraper.py).
+    """
+    for prefix, kind in _KINDS_BY_PREFIX:
+        if metrics.has_prefix(prefix):
+            return kind
+    return None
+
+
+def _label_int(metrics: Exposition, family: str, label: str) -> int | None:
+    for sample in metrics.samples(family):
+        value = sample.labels.get(label)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+def _model_label(metrics: Exposition, *families: str) -> str:
+    for family in families:
+        for sample in metrics.samples(family):
+            name = sample.labels.get("model_name")
+            if name:
+                return name
+    return ""
+
+
+def vllm_reading(metrics: Exposition, models: ModelsInfo, lanes: int | None = None) -> Reading:
+    """vLLM ``/metrics``. Lanes (max_num_seqs) only when ``cache_config_info`` carries it or the operator
+    declared it (``lanes``): vLLM does not export it otherwise, and the router's vLLM formula needs it."""
+    running = metrics.total("vllm:num_requests_running")
+    if running is None:
+        raise MalformedBody("/metrics", "no vllm:num_requests_running")
+    kv_usage = _ratio(metrics.mean("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
+    blocks_total = _label_int(metrics, "vllm:cache_config_info", "num_gpu_blocks")
+    return Reading(
+        engine_kind="vllm",
+        model_id=_model_label(metrics, "vllm:num_requests_running") or models.model_id,
+        lanes=_label_int(metrics, "vllm:cache_config_info", "max_num_seqs") or lanes,
+        running=_count(running),
+        waiting=_count(metrics.total("vllm:num_requests_waiting")),
+        max_context=models.max_context,
+        kv_usage=kv_usage,
+        kv_blocks_used=round(kv_usage * blocks_total) if kv_usage is not None and blocks_total else None,
+        kv_blocks_total=blocks_total or None,
+        preemptions_total=_count(metrics.total("vllm:num_preemptions_total")),
+        prompt_tokens_queried_total=_count(metrics.total("vllm:prefix_cache_queries_total",
+                                                         "vllm:gpu_prefix_cache_queries_total")),
+        prompt_tokens_hit_total=_count(metrics.total("vllm:prefix_cache_hits_total",
+                                                     "vllm:gpu_prefix_cache_hits_total")),
+    )
+
+
+def _llamacpp_slot_busy(slot: Any) -> bool | None:
+    busy = _get(slot, "is_processing")
+    if isinstance(busy, bool):
+        return busy
+    state = _get(slot, "state")  # older builds: 0 idle, 1 processing
+    if isinstance(state, int) and not isinstance(state, bool):
+        return state != 0
+    return None
+
+
+def llamacpp_reading(slots: Any | None, metrics: Exposition | None, models: ModelsInfo) -> Reading:
+    """llama.cpp: ``/slots`` (a JSON array; one entry per lane) and/or ``/metrics`` (``llamacpp:*``,
+    only with ``--metrics``). Either alone is enough; the slots array wins for lanes and running."""
+    lanes = running = max_context = None
+    if slots is not None:
+        if not isinstance(slots, list) or not slots:
+            raise MalformedBody("/slots", "llama.cpp /slots is a non-empty JSON array")
+        busy = [_llamacpp_slot_busy(s) for s in slots]
+        lanes = len(slots)
+        running = None if None in busy else sum(1 for b in busy if b)
+        contexts = [n for s in slots if (n := _int(_get(s, "n_ctx")))]
+        max_context = min(contexts) if contexts else None  # each slot holds its own context
+    m = metrics
+    if m is not None and running is None:
+        running = _count(m.total("llamacpp:requests_processing"))
+    return Reading(
+        engine_kind="llamacpp",
+        model_id=models.model_id,
+        lanes=lanes,
+        running=running,
+        waiting=_count(m.total("llamacpp:requests_deferred")) if m is not None else None,
+        max_context=max_context or models.max_context,
+        kv_usage=_ratio(m.mean("llamacpp:kv_cache_usage_ratio")) if m is not None else None,
+        # llama.cpp's KV unit is a token (a block of size 1)
+        kv_blocks_used=_count(m.total("llamacpp:kv_cache_tokens")) if m is not None else None,
+        prompt_tokens_queried_total=_count(m.total("llamacpp:prompt_tokens_total")) if m is not None else None,
+        prompt_tokens_hit_total=_count(m.total("llamacpp:prompt_cache_tokens_total")) if m is not None else None,
+        prefill_tok_per_s=m.total("llamacpp:prompt_tokens_seconds") if m is not None else None,
+        decode_tok_per_s=m.total("llamacpp:predicted_tokens_seconds") if m is not None else None,
+    )
+
+
+def sglang_reading(metrics: Exposition, models: ModelsInfo) -> Reading:
+    """SGLang ``/metrics``: running/queued requests and token usage (its KV occupancy, 0..1)."""
+    running = metrics.total("sglang:num_running_reqs")
+    if running is None:
+        raise MalformedBody("/metrics", "no sglang:num_running_reqs")
+    return Reading(
+        engine_kind="sglang",
+        model_id=_model_label(metrics, "sglang:num_running_reqs") or models.model_id,
+        lanes=_count(metrics.total("sglang:max_running_requests")) or None,
+        running=_count(running),
+        waiting=_count(metrics.total("sglang:num_queue_reqs")),
+        max_context=models.max_context,
+        kv_usage=_ratio(metrics.mean("sglang:token_usage")),
+        kv_blocks_used=_count(metrics.total("sglang:num_used_tokens")),
+        kv_blocks_total=_count(metrics.total("sglang:max_total_num_tokens")) or None,
+        decode_tok_per_s=metrics.total("sglang:gen_throughput"),
+    )
+
+
+def stock_reading(models: ModelsInfo) -> Reading:
+    """Reachable, and nothing more: every load field stays None (the router's "no signal")."""
+    return Reading(engine_kind="stock", model_id=models.model_id, max_context=models.max_context)
+
+
+def with_model(reading: Reading, models: ModelsInfo) -> Reading:
+    """Fill the model id from ``/v1/models`` when the engine's own bodies did not name it."""
+    return reading if reading.model_id or not models.model_id else replace(reading, model_id=models.model_id)

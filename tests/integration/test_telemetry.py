@@ -1,0 +1,364 @@
+"""Telemetry on a real nats-server against fixture HTTP servers that answer exactly like vLLM, llama.cpp (both
+``/slots`` shapes), SGLang, NInfer and a stock server; faults (500, garbage JSON, hang) injected per member.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import itertools
+import json
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from nats.aio.client import Client
+from nats.js.errors import NotFoundError
+from prometheus_client.parser import text_string_to_metric_families
+
+from proto import EnergySample, SlotHeartbeat, decode, subjects
+from services.common import pool_config
+from services.common.http import serving
+from services.gateway.service import GatewayConfig, GatewayService
+from services.telemetry import __main__ as telemetry_main
+from services.telemetry.discovery import PortRange, discovered_id
+from services.telemetry.probe import Member
+from services.telemetry.service import TelemetryConfig, TelemetryService
+from tests.integration.conftest import wait_for
+from tests.unit.telemetry import samples
+
+INTERVAL_S = 0.1
+TIMEOUT_S = 0.3
+
+
+@dataclass
+class Engine:
+    """A fixture engine: ``kind`` picks the endpoints it serves; ``fault`` breaks every answer."""
+
+    kind: str
+    fault: str | None = None  # "500" | "garbage" | "hang"
+    slots: dict[str, Any] = field(default_factory=samples.ninfer_slots)
+    usage: dict[str, Any] = field(default_factory=lambda: samples.ninfer_usage({"2026-01-01": 10.0}))
+    chats: int = 0
+    hits: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def app(self) -> web.Application:
+        @web.middleware
+        async def faults(request: web.Request, handler: Any) -> web.StreamResponse:
+            self.hits[request.path] += 1
+            if self.fault == "500":
+                return web.json_response({"error": {"message": "boom"}}, status=500)
+            if self.fault == "garbage":
+                return web.Response(body=b"{not json <html>", content_type="application/json")
+            if self.fault == "hang":
+                await asyncio.Event().wait()
+            return await handler(request)
+
+        def text(body: str) -> Callable[[web.Request], Any]:
+            async def handler(request: web.Request) -> web.Response:
+                return web.Response(text=body, content_type="text/plain")
+            return handler
+
+        def js(body: Callable[[], Any]) -> Callable[[web.Request], Any]:
+            async def handler(request: web.Request) -> web.Response:
+                return web.json_response(body())
+            return handler
+
+        app = web.Application(middlewares=[faults])
+        add = app.router.add_get
+        models = {"vllm": samples.VLLM_MODELS, "llamacpp": samples.LLAMACPP_MODELS,
+                  "llamacpp-old": samples.LLAMACPP_MODELS}.get(self.kind, {"object": "list", "data": [{"id": "tiny"}]})
+        add("/v1/models", js(lambda: models))
+        add("/health", js(lambda: {"status": "ok"}))
+        if self.kind == "vllm":
+            add("/metrics", text(samples.VLLM_METRICS))
+        elif self.kind == "sglang":
+            add("/metrics", text(samples.SGLANG_METRICS))
+        elif self.kind == "llamacpp":
+            add("/slots", js(lambda: samples.llamacpp_slots([True, False, False])))
+            add("/metrics", text(samples.LLAMACPP_METRICS))
+        elif self.kind == "llamacpp-old":  # an older build, run without --metrics
+            add("/slots", js(lambda: samples.llamacpp_slots([True, True], old=True)))
+        elif self.kind == "ninfer":
+            add("/slots", js(lambda: self.slots))
+            add("/usage", js(lambda: self.usage))
+            add("/metrics", text(samples.VLLM_METRICS + samples.LLAMACPP_METRICS))  # forks export these too
+            app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        self.chats += 1
+        body = await request.json()
+        return web.json_response({
+            "id": f"chatcmpl-{self.chats}", "object": "chat.completion", "created": 0, "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+
+
+@dataclass
+class Fleet:
+    engines: dict[str, Engine]
+    urls: dict[str, str]
+    telemetry: TelemetryService
+    heartbeats: dict[str, list[SlotHeartbeat]]
+    nc: Client
+
+    def last(self, member_id: str) -> SlotHeartbeat | None:
+        beats = self.heartbeats.get(member_id)
+        return beats[-1] if beats else None
+
+    async def next_heartbeat(self, member_id: str, timeout_s: float = 5.0) -> SlotHeartbeat:
+        seen = len(self.heartbeats[member_id])
+        await wait_for(lambda: len(self.heartbeats[member_id]) > seen, timeout_s)
+        return self.heartbeats[member_id][seen]
+
+
+@contextlib.asynccontextmanager
+async def fleet_of(nc: Client, kinds: dict[str, str], **config: Any) -> AsyncIterator[Fleet]:
+    """Fixture engines (member id → kind), telemetry scraping them, and every heartbeat it publishes."""
+    async with contextlib.AsyncExitStack() as es:
+        engines = {mid: Engine(kind) for mid, kind in kinds.items()}
+        urls = {mid: await es.enter_async_context(serving(e.app(), "127.0.0.1", 0)) for mid, e in engines.items()}
+        heartbeats: dict[str, list[SlotHeartbeat]] = collections.defaultdict(list)
+
+        async def on_heartbeat(msg: Any) -> None:
+            hb = decode(msg.data, SlotHeartbeat)
+            heartbeats[hb.worker_id].append(hb)
+
+        sub = await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_heartbeat)
+        es.push_async_callback(sub.unsubscribe)
+        telemetry = TelemetryService(nc, TelemetryConfig(
+            members=tuple(Member(mid, url) for mid, url in urls.items()),
+            **{"interval_s": INTERVAL_S, "timeout_s": TIMEOUT_S, **config}))
+        task = asyncio.create_task(telemetry.run())
+
+        async def stop() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        es.push_async_callback(stop)
+        yield Fleet(engines, urls, telemetry, heartbeats, nc)
+
+
+async def _ready(fleet: Fleet, *member_ids: str) -> None:
+    await wait_for(lambda: all((hb := fleet.last(m)) is not None and hb.state == "ready" for m in member_ids))
+
+
+async def test_each_engine_kind_is_detected_and_its_heartbeat_carries_what_it_said(nc: Client) -> None:
+    kinds = {"v": "vllm", "l": "llamacpp", "lo": "llamacpp-old", "n": "ninfer", "s": "sglang", "st": "stock"}
+    async with fleet_of(nc, kinds) as fleet:
+        await _ready(fleet, *kinds)
+        hb = {m: fleet.last(m) for m in kinds}
+        assert {m: h.engine_kind for m, h in hb.items() if h} == {
+            "v": "vllm", "l": "llamacpp", "lo": "llamacpp", "n": "ninfer", "s": "sglang", "st": "stock"}
+        v = hb["v"]
+        assert v is not None and (v.model_id, v.running, v.waiting, v.kv_usage, v.kv_blocks_total, v.max_context) == (
+            "Qwen/Qwen3-8B", 3, 2, 0.4, 2000, 32768)
+        assert v.lanes is None  # vLLM does not export max_num_seqs: unknown, not 0
+        l_, lo = hb["l"], hb["lo"]
+        assert l_ is not None and (l_.lanes, l_.running, l_.waiting, l_.kv_usage) == (3, 1, 2, 0.25)
+        assert lo is not None and (lo.lanes, lo.running, lo.waiting, lo.kv_usage) == (2, 2, None, None)
+        n = hb["n"]
+        assert n is not None and (n.lanes, n.running, n.waiting, n.admitted_total, n.energy_today_wh) == (
+            8, 2, 0, 42, 10.0)
+        s = hb["s"]
+        assert s is not None and (s.running, s.waiting, s.kv_usage) == (5, 4, 0.15)
+        st = hb["st"]
+        assert st is not None and st.model_id == "tiny"
+        assert (st.lanes, st.running, st.waiting, st.kv_usage) == (None, None, None, None)  # no signal
+        for h in hb.values():
+            assert h is not None and h.backend == fleet.urls[h.worker_id]
+            assert h.heartbeat_interval_s == INTERVAL_S and h.ts_s > 0
+        # a new gateway finds the same heartbeats in the KV bucket
+        kv = await nc.jetstream().key_value(subjects.KV_WORKERS)
+        stored = {m: decode((await kv.get(m)).value or b"", SlotHeartbeat).engine_kind for m in kinds}
+        assert stored == {m: h.engine_kind for m, h in hb.items() if h}
+        # the detected kind is remembered: a vLLM member is asked for /metrics only, never /slots again
+        slots_asked = fleet.engines["v"].hits["/slots"]
+        await fleet.next_heartbeat("v")
+        await fleet.next_heartbeat("v")
+        assert fleet.engines["v"].hits["/slots"] == slots_asked == 1
+
+
+@pytest.mark.parametrize("fault", ["500", "garbage", "hang"])
+async def test_a_failing_member_is_down_after_two_failures_without_affecting_others_and_recovers(
+        nc: Client, fault: str) -> None:
+    async with fleet_of(nc, {"bad": "ninfer", "good": "vllm"}) as fleet:
+        await _ready(fleet, "bad", "good")
+        state = fleet.telemetry.members["bad"]
+        failures_before = state.failures_total
+        good_before = len(fleet.heartbeats["good"])
+        seen = len(fleet.heartbeats["bad"])
+        fleet.engines["bad"].fault = fault
+        await wait_for(lambda: any(hb.state == "down" for hb in fleet.heartbeats["bad"][seen:]), timeout_s=10)
+        after = fleet.heartbeats["bad"][seen:]
+        first_down = next(i for i, hb in enumerate(after) if hb.state == "down")
+        down = after[first_down]
+        assert down.engine_kind == "ninfer" and down.running is None and down.lanes is None
+        assert first_down <= 1  # at most one scrape that was already under way when the fault began
+        assert state.failures_total - failures_before >= 2  # the first failure published nothing
+        good = fleet.heartbeats["good"][good_before:]
+        assert good and all(h.state == "ready" for h in good)
+        gaps = [b.ts_s - a.ts_s for a, b in itertools.pairwise(good)]
+        assert max(gaps, default=0.0) < 3 * INTERVAL_S  # the good member kept its pace
+
+        fleet.engines["bad"].fault = None
+        await wait_for(lambda: (hb := fleet.last("bad")) is not None and hb.state == "ready", timeout_s=5)
+        back = fleet.last("bad")
+        assert back is not None and back.engine_kind == "ninfer" and back.lanes == 8  # re-detected
+        assert not state.health.is_down
+
+
+async def test_energy_from_ninfer_usage_lands_in_the_energy_stream_only_when_reported(nc: Client) -> None:
+    async with fleet_of(nc, {"e": "ninfer", "none": "ninfer"}, energy_interval_s=INTERVAL_S) as fleet:
+        fleet.engines["e"].usage = samples.ninfer_usage({"2026-01-01": 100.0, "2026-01-02": 2.5})
+        fleet.engines["none"].usage = samples.ninfer_usage({"2026-01-02": None})
+        js = nc.jetstream()
+        sub = await js.subscribe(subjects.energy("e"))
+        msg = await sub.next_msg(timeout=5)
+        sample = decode(msg.data, EnergySample)
+        (reading,) = sample.readings
+        assert (sample.worker_id, sample.model_id, reading.kind, reading.method) == (
+            "e", "qwen3.8-27b", "engine", "engine_reported")
+        assert reading.energy_mj == round((100.0 + 2.5) * 3.6e6)
+        await _ready(fleet, "none")
+        await fleet.next_heartbeat("none")
+        with pytest.raises(NotFoundError):
+            await js.get_last_msg(subjects.STREAM_ENERGY, subjects.energy("none"))
+        await sub.unsubscribe()
+
+
+async def test_telemetry_metrics_parse_with_prometheus_client_and_carry_the_router_s_load_score(
+        nc: Client) -> None:
+    async with fleet_of(nc, {"n": "ninfer", "st": "stock", "bad": "vllm"}) as fleet:
+        fleet.engines["bad"].fault = "500"
+        await _ready(fleet, "n", "st")
+        await wait_for(lambda: (hb := fleet.last("bad")) is not None and hb.state == "down")
+        async with serving(fleet.telemetry.app(), "127.0.0.1", 0) as url, aiohttp.ClientSession() as http:
+            async with http.get(url + "/metrics") as resp:
+                assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+                text = await resp.text()
+            async with http.get(url + "/health") as resp:
+                assert resp.status == 200 and (await resp.json())["members"] == 3
+            async with http.get(url + "/members") as resp:
+                members = {m["member_id"]: m for m in (await resp.json())["members"]}
+    values = {(s.name, s.labels.get("member")): s.value
+              for f in text_string_to_metric_families(text) for s in f.samples}
+    # ninfer: lanes 8, running 2, waiting 0, no KV pressure → 0.75·(2/8) + 0.15·0 + 0.10·0
+    assert values[("llmgw_telemetry_member_load_score", "n")] == pytest.approx(0.75 * 2 / 8)
+    assert ("llmgw_telemetry_member_load_score", "st") not in values  # no signal: absent, not 0
+    assert values[("llmgw_telemetry_member_lanes", "n")] == 8
+    assert values[("llmgw_telemetry_member_up", "n")] == 1 and values[("llmgw_telemetry_member_up", "bad")] == 0
+    assert 0 <= values[("llmgw_telemetry_member_heartbeat_age_seconds", "n")] < 2
+    assert values[("llmgw_telemetry_scrapes_total", "bad")] >= 2
+    assert values[("llmgw_telemetry_scrape_failures_total", "bad")] >= 2
+    assert values[("llmgw_telemetry_scrape_failures_total", "n")] == 0
+    assert members["n"]["engine_kind"] == "ninfer" and members["st"]["load_score"] is None
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_discovery_watches_what_answers_v1_models_under_a_deterministic_id(nc: Client) -> None:
+    async with contextlib.AsyncExitStack() as es:
+        found = await es.enter_async_context(serving(Engine("vllm").app(), "127.0.0.1", 0))
+        port = int(found.rsplit(":", 1)[1])
+        closed = _closed_port()
+        ranges = (PortRange("127.0.0.1", port, port), PortRange("127.0.0.1", closed, closed))
+        fleet = await es.enter_async_context(fleet_of(nc, {}, discover=ranges, discover_interval_s=60.0))
+        mid = discovered_id("127.0.0.1", port)
+        assert mid == f"disc-127-0-0-1-{port}"
+        await _ready(fleet, mid)
+        hb = fleet.last(mid)
+        assert hb is not None and hb.engine_kind == "vllm" and hb.backend == found
+        assert set(fleet.telemetry.members) == {mid}
+        assert fleet.telemetry.members[mid].is_discovered
+
+
+def test_flags_build_the_config_from_members_a_pools_file_and_lanes(tmp_path: Path) -> None:
+    pools = tmp_path / "pools.json"
+    pools.write_text(json.dumps({"model_pools": {"m": {"members": [
+        {"model_id": "m", "backend": "http://10.0.0.1:8000/"}, {"model_id": "m", "backend": "bus:w1"}]}}}))
+    parser = argparse.ArgumentParser()
+    telemetry_main.add_arguments(parser)
+    args = parser.parse_args(["--member", "a=http://h:1", "--config", str(pools), "--lanes", "a=64",
+                              "--discover", "h:8000-8002", "--interval", "0.5"])
+    config = telemetry_main.build_config(args)
+    assert config.members == (Member("a", "http://h:1", 64), Member("http-10-0-0-1-8000", "http://10.0.0.1:8000"))
+    assert config.interval_s == 0.5 and config.discover == (PortRange("h", 8000, 8002),)
+
+
+# ---- end to end: the gateway routes by what telemetry published -----------------------------------------------
+
+
+async def test_the_gateway_routes_to_the_member_telemetry_says_is_idle(nc: Client, tmp_path: Path) -> None:
+    async with contextlib.AsyncExitStack() as es:
+        busy, idle = Engine("ninfer"), Engine("ninfer")
+        busy.slots = samples.ninfer_slots(running=8, waiting=3, lanes=8, model="tiny")
+        idle.slots = samples.ninfer_slots(running=0, waiting=0, lanes=8, model="tiny")
+        urls = [await es.enter_async_context(serving(e.app(), "127.0.0.1", 0)) for e in (busy, idle)]
+        busy_id, idle_id = (pool_config.member_id_for(u) for u in urls)
+        pools = tmp_path / "pools.json"
+        # the busy member is listed first and weighs more: without telemetry it would win every tie
+        pools.write_text(json.dumps({"model_pools": {"tiny": {"cache_affinity": False, "members": [
+            {"model_id": "tiny", "backend": urls[0], "capacity_weight": 8},
+            {"model_id": "tiny", "backend": urls[1], "capacity_weight": 1}]}}}))
+        parser = argparse.ArgumentParser()
+        telemetry_main.add_arguments(parser)
+        config = telemetry_main.build_config(parser.parse_args(["--config", str(pools), "--interval", "0.1"]))
+        assert {m.member_id for m in config.members} == {busy_id, idle_id}
+
+        gateway = GatewayService(nc, GatewayConfig(gateway_id="gw1", port=0, data_dir=tmp_path),
+                                 pool_config.load(pools))
+        await es.enter_async_context(gateway.running())
+        base = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
+        telemetry = TelemetryService(nc, config)
+        task = asyncio.create_task(telemetry.run())
+
+        async def stop() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        es.push_async_callback(stop)
+        # the gateway's bootstrap admin key (created at its first start) passes its API-key auth
+        assert gateway.bootstrap is not None
+        http = await es.enter_async_context(aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {gateway.bootstrap[1]}"}))
+
+        async def backends() -> dict[str, dict[str, Any]]:
+            async with http.get(base + "/backends") as resp:
+                assert resp.status == 200, await resp.text()
+                return {r["member_id"]: r for r in (await resp.json())["members"]}
+
+        rows: dict[str, dict[str, Any]] = {}
+
+        async def both_scored() -> bool:
+            rows.update(await backends())
+            return all(rows.get(m, {}).get("load_score") is not None for m in (busy_id, idle_id))
+
+        async with asyncio.timeout(10):
+            while not await both_scored():
+                await asyncio.sleep(0.05)
+        assert rows[busy_id]["engine_kind"] == rows[idle_id]["engine_kind"] == "ninfer"
+        assert (rows[busy_id]["running"], rows[busy_id]["waiting"]) == (8, 3)
+        # busy: lanes full and a queue: 0.75·1 + 0.15·min(3/4, 1) + 0.10·0; idle: 0
+        assert rows[busy_id]["load_score"] == pytest.approx(0.75 + 0.15 * 3 / 4)
+        assert rows[idle_id]["load_score"] == 0.0
+        assert rows[busy_id]["stale"] is False and rows[busy_id]["heartbeat_age_s"] < 1.0
+
+        for i in range(4):
+            async with http.post(base + "/v1/chat/completions", json={
+                    "model": "tiny", "messages": [{"role": "user", "content": f"hello {i}"}]}) as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["choices"][0]["message"]["content"] == "hi"
+        assert (busy.chats, idle.chats) == (0, 4)

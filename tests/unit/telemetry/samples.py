@@ -1,0 +1,180 @@
+"""What real engines answer, byte for byte in shape (values made up): shared by the unit tests of the
+normalisers and the integration tests' fixture servers. Shapes: shared/reference/interop.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# vLLM v1 (prometheus_client exposition: counters declared as *_total with a *_created gauge beside them,
+# labelled by model_name and engine; real ones have dozens of buckets per histogram). The backslash-newlines
+# only keep the source short: the string holds one line per sample.
+VLLM_METRICS = '''# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 1234.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-8B"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen3-8B"} 2.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 0.4
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="Qwen/Qwen3-8B"} 1000.0
+# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_created gauge
+vllm:prefix_cache_queries_created{engine="0",model_name="Qwen/Qwen3-8B"} 1.7e+09
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="Qwen/Qwen3-8B"} 250.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="Qwen/Qwen3-8B"} 7.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="Qwen/Qwen3-8B"} 5000.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="Qwen/Qwen3-8B"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="Qwen/Qwen3-8B"} 2.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="Qwen/Qwen3-8B"} 10.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="Qwen/Qwen3-8B"} 10.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="Qwen/Qwen3-8B"} 0.75
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",\
+gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="2000",num_gpu_blocks_override="None",\
+sliding_window="None",swap_space="4"} 1.0
+'''
+
+# An older vLLM (v0): gpu_cache_usage_perc and gpu_prefix_cache_* names, no engine label, max_num_seqs
+# put into cache_config_info by a patched build.
+VLLM_OLD_METRICS = '''# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="llama"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="llama"} 0.0
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="llama"} 0.05
+# TYPE vllm:gpu_prefix_cache_queries counter
+vllm:gpu_prefix_cache_queries{model_name="llama"} 40
+# TYPE vllm:gpu_prefix_cache_hits counter
+vllm:gpu_prefix_cache_hits{model_name="llama"} 10
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",max_num_seqs="128",num_gpu_blocks="1000"} 1.0
+'''
+
+VLLM_MODELS = {"object": "list", "data": [{"id": "Qwen/Qwen3-8B", "object": "model", "owned_by": "vllm",
+                                           "max_model_len": 32768}]}
+
+LLAMACPP_METRICS = '''# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 900
+# HELP llamacpp:prompt_seconds_total Prompt process time
+# TYPE llamacpp:prompt_seconds_total counter
+llamacpp:prompt_seconds_total 1.5
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 300
+# HELP llamacpp:prompt_tokens_seconds Average prompt throughput in tokens/s.
+# TYPE llamacpp:prompt_tokens_seconds gauge
+llamacpp:prompt_tokens_seconds 600
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s.
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 42.5
+# HELP llamacpp:kv_cache_usage_ratio KV-cache usage. 1 means 100 percent usage.
+# TYPE llamacpp:kv_cache_usage_ratio gauge
+llamacpp:kv_cache_usage_ratio 0.25
+# HELP llamacpp:kv_cache_tokens KV-cache tokens.
+# TYPE llamacpp:kv_cache_tokens gauge
+llamacpp:kv_cache_tokens 1024
+# HELP llamacpp:requests_processing Number of request processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 1
+# HELP llamacpp:requests_deferred Number of request deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 2
+'''
+
+
+def llamacpp_slots(busy: list[bool], *, old: bool = False) -> list[dict[str, Any]]:
+    """A llama.cpp ``/slots`` array: ``is_processing`` (current builds) or ``state`` 0|1 (older ones)."""
+    out = []
+    for i, b in enumerate(busy):
+        slot: dict[str, Any] = {"id": i, "n_ctx": 4096, "speculative": False,
+                                "params": {"n_predict": -1, "temperature": 0.8}, "prompt": "",
+                                "next_token": {"has_next_token": b, "n_remain": -1, "n_decoded": 0}}
+        if old:
+            slot.update({"task_id": 3 if b else -1, "state": 1 if b else 0})
+        else:
+            slot.update({"id_task": 3 if b else -1, "is_processing": b})
+        out.append(slot)
+    return out
+
+
+LLAMACPP_MODELS = {"object": "list", "data": [{"id": "qwen2.5-7b-q4_k_m.gguf", "object": "model",
+                                               "owned_by": "llamacpp", "meta": {"n_ctx_train": 32768}}]}
+
+SGLANG_METRICS = '''# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 5.0
+# HELP sglang:num_used_tokens The number of used tokens.
+# TYPE sglang:num_used_tokens gauge
+sglang:num_used_tokens{model_name="meta-llama/Llama-3.1-8B-Instruct"} 6000.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.15
+# HELP sglang:gen_throughput The generation throughput (token/s).
+# TYPE sglang:gen_throughput gauge
+sglang:gen_throughput{model_name="meta-llama/Llama-3.1-8B-Instruct"} 312.5
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 4.0
+# HELP sglang:cache_hit_rate The prefix cache hit rate.
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.5
+# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{model_name="meta-llama/Llama-3.1-8B-Instruct"} 12345.0
+# HELP sglang:e2e_request_latency_seconds Histogram of End-to-end request latency in seconds
+# TYPE sglang:e2e_request_latency_seconds histogram
+sglang:e2e_request_latency_seconds_sum{model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+sglang:e2e_request_latency_seconds_bucket{le="0.1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+sglang:e2e_request_latency_seconds_bucket{le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 8.0
+sglang:e2e_request_latency_seconds_count{model_name="meta-llama/Llama-3.1-8B-Instruct"} 8.0
+'''
+
+
+def ninfer_slots(running: int = 2, waiting: int = 0, lanes: int = 8, model: str = "qwen3.8-27b") -> dict[str, Any]:
+    """The NInfer fork's ``/slots`` (interop.md), with ``running`` busy lanes."""
+    return {"model": model, "max_concurrency": lanes, "requests_processing": running, "requests_waiting": waiting,
+            "prefilling": 0, "decode_ready": running, "materializing": 0,
+            "device_state_slots": {"occupied": running}, "host_state_slots": {"occupied": 0},
+            "kv_pages": {"main_occupied": 123, "backend_occupied": 0},
+            "slots": [{"id": i, "busy": i < running} for i in range(lanes)]}
+
+
+def _bucket(wh: float | None, tokens: int) -> dict[str, Any]:
+    kwh = None if wh is None else wh / 1000
+    return {"wh": wh, "kwh": kwh, "cost_usd": None if kwh is None else kwh * 0.125, "tokens": tokens,
+            "cost_per_m_tokens_usd": None}
+
+
+def ninfer_usage(daily_wh: dict[str, float | None] | None = None, running: int = 2, waiting: int = 0,
+                 spills: int = 0, evicted: int = 0) -> dict[str, Any]:
+    """The NInfer fork's ``/usage`` (interop.md); ``daily_wh`` maps UTC days to Wh (None: not measured)."""
+    daily = {d: _bucket(wh, 100) for d, wh in (daily_wh or {}).items()}
+    today = list(daily.values())[-1] if daily else _bucket(None, 0)
+    return {
+        "model": "qwen3.8-27b", "uptime": {"seconds": 1234.5, "human": "0h 20m"},
+        "tokens": {"input": {"total": 5000, "cache_hits": 1500, "cache_computed": 3500, "cache_hit_rate_pct": 30.0},
+                   "output": {"total": 700}, "total": 5700},
+        "throughput": {"window_seconds": 5.0, "window_active": True, "prefill_tok_per_s": 800.5,
+                       "decode_tok_per_s": 55.25, "prefill_tokens_last_window": 4002, "decode_tokens_last_window": 276},
+        "requests": {"total": 42, "cache_efficiency_pct": 30.0},
+        "lanes": {"capacity": 8, "processing": running, "waiting": waiting, "decoding": running, "prefilling": 0},
+        "health": {"kv_pressure_spills": spills, "sessions_evicted": evicted, "kv_pages_occupied": 123},
+        "energy": {"rate_usd_per_kwh": 0.125, "today": today, "rolling_30d": today, "daily": daily,
+                   "note": "NVML energy counter"},
+    }
