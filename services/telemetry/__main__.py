@@ -71,11 +71,15 @@ def build_config(args: argparse.Namespace) -> TelemetryConfig:
         if not url.startswith(("http://", "https://")):
             raise ConfigError("member", f"{member_id}={url!r} must look like ID=http://host:port")
         members.append(Member(member_id, url.rstrip("/"), lanes.get(member_id)))
-    if args.config:
+    from_pools = set()
+    # the gateway's pools file: --config, else the one its Config page saves in the data dir
+    pools_path = Path(args.config) if args.config else data_dir(args.data_dir) / "pools.json"
+    if args.config or pools_path.exists():
         known = {m.member_id for m in members}
-        for m in pool_config.load(Path(args.config)).http_members():
+        for m in pool_config.load(pools_path).http_members():
             if m.member_id not in known:
                 members.append(Member(m.member_id, m.backend.rstrip("/"), lanes.get(m.member_id)))
+                from_pools.add(m.member_id)
     unknown = sorted(set(lanes) - {m.member_id for m in members})
     if unknown:
         raise ConfigError("lanes", f"no member {unknown[0]!r}")
@@ -87,7 +91,8 @@ def build_config(args: argparse.Namespace) -> TelemetryConfig:
         raise ConfigError("energy-interval", "must be >= --interval")
     return TelemetryConfig(members=tuple(members), interval_s=args.interval, timeout_s=args.timeout,
                            energy_interval_s=args.energy_interval,
-                           discover=tuple(discovery.parse_range(s) for s in args.discover))
+                           discover=tuple(discovery.parse_range(s) for s in args.discover),
+                           from_pools=frozenset(from_pools))
 
 
 async def run(args: argparse.Namespace) -> None:

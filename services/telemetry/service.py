@@ -14,19 +14,23 @@ Per scrape::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import zlib
 from dataclasses import dataclass, field
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from proto import SlotHeartbeat, encode, subjects
+from services.common import pool_config
 from services.common.http import error_middleware
-from services.common.runtime import new_session_id, raise_if_cancelling
+from services.common.runtime import ConfigError, new_session_id, raise_if_cancelling
 from services.telemetry import discovery, views
 from services.telemetry.normalize import MalformedBody, Reading, models_info
 from services.telemetry.probe import Health, Member, down_heartbeat, energy_sample, heartbeat
@@ -47,6 +51,7 @@ class TelemetryConfig:
     energy_interval_s: float = 5.0
     discover: tuple[discovery.PortRange, ...] = ()
     discover_interval_s: float = 30.0
+    from_pools: frozenset[str] = frozenset()  # members that came from the pools file (follow its changes)
 
 
 @dataclass
@@ -55,6 +60,7 @@ class MemberState:
 
     member: Member
     is_discovered: bool = False
+    from_pools: bool = False
     knowledge: Knowledge = field(default_factory=Knowledge)
     health: Health = field(default_factory=Health)
     last: Reading | None = None
@@ -82,11 +88,13 @@ class TelemetryService:
         self.nc = nc
         self.config = config
         self.session_id = new_session_id()
-        self.members: dict[str, MemberState] = {m.member_id: MemberState(m) for m in config.members}
+        self.members: dict[str, MemberState] = {
+            m.member_id: MemberState(m, from_pools=m.member_id in config.from_pools) for m in config.members}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._group: asyncio.TaskGroup | None = None
         self._kv: KeyValue | None = None
         self._scraper: Scraper | None = None
+        self.following_pools = asyncio.Event()  # set once config changes are listened to (tests await it)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -102,7 +110,37 @@ class TelemetryService:
                 self._start(state)
             if self.config.discover:
                 group.create_task(self._discover_forever(http), name="telemetry-discovery")
-            await asyncio.Event().wait()  # with no member yet (none configured) keep serving until cancelled
+            sub = await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self._on_config_changed)
+            self.following_pools.set()
+            try:
+                await asyncio.Event().wait()  # with no member yet (none configured) keep serving until cancelled
+            finally:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+    async def _on_config_changed(self, msg: Msg) -> None:
+        """A gateway saved new pools (its Config page): watch the HTTP members it added, drop removed ones."""
+        try:
+            config = pool_config.parse(msgspec.json.decode(msg.data)["config"])
+        except (msgspec.DecodeError, KeyError, TypeError, ConfigError) as exc:
+            log.warning("ignored a config-changed message: %s", exc)
+            return
+        self.follow_pools([Member(m.member_id, m.backend.rstrip("/")) for m in config.http_members()])
+
+    def follow_pools(self, members: list[Member]) -> None:
+        wanted = {m.member_id: m for m in members}
+        for mid, state in list(self.members.items()):
+            if state.from_pools and mid not in wanted:
+                task = self._tasks.pop(mid, None)
+                if task is not None:
+                    task.cancel()
+                del self.members[mid]
+                log.info("stopped watching %s: no pool names it any more", mid)
+        for mid, member in wanted.items():
+            if mid not in self.members:
+                state = self.members[mid] = MemberState(member, from_pools=True)
+                self._start(state)
+                log.info("watching %s (%s): a pool names it now", mid, member.url)
 
     def _start(self, state: MemberState) -> None:
         assert self._group is not None

@@ -362,3 +362,22 @@ async def test_the_gateway_routes_to_the_member_telemetry_says_is_idle(nc: Clien
                 assert resp.status == 200, await resp.text()
                 assert (await resp.json())["choices"][0]["message"]["content"] == "hi"
         assert (busy.chats, idle.chats) == (0, 4)
+
+
+async def test_members_follow_the_pools_a_gateway_saves(nc: Client) -> None:
+    """The Config page broadcasts new pools: telemetry starts watching an added HTTP member, stops a removed one."""
+    import msgspec
+
+    async with contextlib.AsyncExitStack() as es:
+        url = await es.enter_async_context(serving(Engine("ninfer").app(), "127.0.0.1", 0))
+        fleet = await es.enter_async_context(fleet_of(nc, {}))
+        await fleet.telemetry.following_pools.wait()
+        raw = {"model_pools": {"m": {"members": [{"model_id": "m", "backend": url}]}}}
+        await nc.publish(subjects.CONFIG_CHANGED, msgspec.json.encode({"gateway_id": "gw", "config": raw}))
+        mid = pool_config.member_id_for(url)
+        await _ready(fleet, mid)
+        assert fleet.telemetry.members[mid].from_pools
+        await nc.publish(subjects.CONFIG_CHANGED, msgspec.json.encode({"gateway_id": "gw", "config": {}}))
+        await wait_for(lambda: mid not in fleet.telemetry.members)
+        await nc.publish(subjects.CONFIG_CHANGED, b"garbage")  # ignored with a warning, nothing breaks
+        await nc.flush()
