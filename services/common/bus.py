@@ -72,7 +72,7 @@ async def connect(url: str, name: str) -> Client:
         log.info("nats reconnected (%s)", name)
 
     return await nats.connect(
-        url,
+        [u.strip() for u in url.split(",") if u.strip()],  # several cluster nodes: "nats://a:4222,nats://b:4222"
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,

@@ -53,7 +53,8 @@ class GatewayConfig:
     config_path: Path | None = None
     data_dir: Path | None = None
     stale_after_s: float = 3.0
-    first_chunk_timeout_s: float = 5.0  # worker silence before its first chunk → next member
+    # a member's silence before its first byte → next member; None: the pools file's gateway.first_byte_timeout_s
+    first_chunk_timeout_s: float | None = None
     chunk_timeout_s: float = 300.0  # silence between chunks once a member accepted the request
     max_body_bytes: int = 4 * 1024 * 1024
     usage_buffer: int = 100_000
@@ -110,7 +111,7 @@ class GatewayService:
         self.fleet = Fleet(config.gateway_id)
         self.router = routing_adapter.Router(config.data_dir, time.time())
         self.metrics = GatewayMetrics()
-        self.http = HttpBackend(first_byte_timeout_s=config.first_chunk_timeout_s,
+        self.http = HttpBackend(first_byte_timeout_s=self.first_byte_timeout_s,
                                 request_timeout_s=self.file_config.limits.request_timeout_s)
         self.spool = UsageSpool(data / "usage-spool" / config.gateway_id)
         self.rng = rng or random.Random()
@@ -172,6 +173,19 @@ class GatewayService:
 
     # ---- the pools file ---------------------------------------------------------------------------
 
+    @property
+    def first_byte_timeout_s(self) -> float:
+        if self.config.first_chunk_timeout_s is not None:
+            return self.config.first_chunk_timeout_s
+        return self.file_config.limits.first_byte_timeout_s
+
+    def _use_file_config(self, parsed: pool_config.GatewayFileConfig) -> None:
+        """The one place a new pools file takes effect (reload, Config page, another gateway's save)."""
+        self.file_config = parsed
+        self.auth.max_concurrent_per_key = parsed.limits.max_concurrent_per_key
+        self.http.first_byte_timeout_s = self.first_byte_timeout_s
+        self.http.request_timeout_s = parsed.limits.request_timeout_s
+
     def config_dict(self) -> dict[str, Any]:
         return pool_config.to_dict(self.file_config)
 
@@ -183,8 +197,7 @@ class GatewayService:
             return exc
         text = json.dumps(raw, indent=2) + "\n"
         await asyncio.to_thread(atomic_write_text, self.config_path, text)
-        self.file_config = parsed
-        self.auth.max_concurrent_per_key = parsed.limits.max_concurrent_per_key
+        self._use_file_config(parsed)
         self._config_mtime = _mtime(self.config_path)
         log.info("config saved to %s and applied: %d pool(s)", self.config_path, len(parsed.pools))
         if broadcast:
@@ -257,7 +270,7 @@ class GatewayService:
                 continue
             self._config_mtime = mtime
             try:
-                self.file_config = await asyncio.to_thread(pool_config.load, self.config_path)
+                self._use_file_config(await asyncio.to_thread(pool_config.load, self.config_path))
                 log.info("reloaded %s: %d pool(s)", self.config_path, len(self.file_config.pools))
             except ConfigError as exc:
                 log.error("kept the previous config: %s", exc)
@@ -563,7 +576,7 @@ class GatewayService:
                        first_byte: Callable[[], None]) -> web.StreamResponse:
         generate = msgspec.structs.replace(parsed.generate, request_id=request_id, model=ref.model_id,
                                            gateway_id=self.config.gateway_id, api_key_id=api_key_id)
-        stream = await bus_backend.start(self.nc, ref.member_id, generate, self.config.first_chunk_timeout_s,
+        stream = await bus_backend.start(self.nc, ref.member_id, generate, self.first_byte_timeout_s,
                                          self.config.chunk_timeout_s)
         try:
             return await openai_stream.respond(request, parsed, request_id, _notify_first_text(stream.chunks(),
