@@ -1,9 +1,11 @@
-"""Accounting: the only process that opens the DuckDB file.
+"""Accounting: the only process that opens the DuckDB file (docs/accounting.md).
 
-Consumes the ``USAGE`` stream with a durable JetStream consumer, inserts one row per UsageRecord
-(deduplicated by request id, acknowledged only after the commit), and answers read-only SQL on
-``llm.v1.accounting.sql``.
+Consumes the ``USAGE`` and ``ENERGY`` streams with durable JetStream consumers (one transaction per
+batch, acknowledged after the commit, deduplicated by message identity), derives energy intervals and
+their attribution to requests, keeps hourly/daily rollups, and answers read-only SQL and the costs
+document on the bus and on an admin HTTP server.
 
-Errors: :class:`store.QueryRejected` (a statement that is not one read-only SELECT) and
-:class:`store.QueryFailed` (DuckDB refused it) are reported to the caller with their message.
+Errors: :class:`store.QueryRejected` (not one read-only SELECT, or too long), :class:`store.QueryFailed`
+(DuckDB refused it, e.g. a file reader) and :class:`service.QueryTimedOut` (interrupted after the time
+limit) are reported to the caller with their message; HTTP maps them to 400/400/408.
 """

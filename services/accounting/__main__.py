@@ -3,26 +3,88 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import os
 from pathlib import Path
 
-from services.accounting.service import AccountingConfig, AccountingService
+from services.accounting.intervals import Limits
+from services.accounting.service import AccountingConfig, AccountingService, price_book_of
+from services.accounting.store import PriceBookEntry
+from services.common import pool_config
 from services.common.bus import bus_session, nats_url_from_env
-from services.common.runtime import announce, data_dir, run_async_main, setup_logging
+from services.common.runtime import ConfigError, announce, data_dir, run_async_main, setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats", help="NATS URL (default: $NATS_URL, else an embedded server)")
     parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
     parser.add_argument("--db", help="DuckDB file (default: DATA_DIR/accounting.duckdb)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address for POST /sql and GET /costs")
+    parser.add_argument("--port", help="HTTP port (default: $LLMGW_ACCOUNTING_PORT, else 0 = any free port)")
+    parser.add_argument("--electricity-rate", type=float,
+                        help="$ per kWh (default: the gateway's pools file, else 0.125)")
+    parser.add_argument("--price-book", help='JSON file: {"<model or *>": {"prompt_usd_per_m": …, '
+                                             '"cached_usd_per_m": …, "output_usd_per_m": …}} '
+                                             "(default: the pools file's price_book)")
+    parser.add_argument("--config", default=os.environ.get("LLMGW_CONFIG"),
+                        help="the gateway's pools file, for the electricity rate and price book (default: "
+                             "$LLMGW_CONFIG, else DATA_DIR/pools.json when present); later edits arrive over "
+                             "the bus from the gateway's Config page")
+    parser.add_argument("--retention-days", type=float, default=30.0, help="raw energy samples kept (default 30)")
+    parser.add_argument("--export-dir", help="Parquet export of the rollups (default: DATA_DIR/exports)")
+    parser.add_argument("--query-timeout", type=float, default=10.0, help="operator query limit in s (default 10)")
+    parser.add_argument("--max-gap", type=float, default=60.0,
+                        help="seconds between energy samples above which an interval is flagged as a gap")
+
+
+def load_price_book(path: str | None) -> dict[str, PriceBookEntry]:
+    if path is None:
+        return {}
+    try:
+        raw = json.loads(Path(path).read_text())
+        return {model: PriceBookEntry(float(p["prompt_usd_per_m"]), float(p.get("cached_usd_per_m", 0.0)),
+                                      float(p["output_usd_per_m"])) for model, p in raw.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError("price-book", f"cannot read {path}: {exc}") from None
+
+
+def build_config(args: argparse.Namespace, data: Path) -> AccountingConfig:
+    port_text = args.port if args.port is not None else os.environ.get("LLMGW_ACCOUNTING_PORT", "0")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError("port", f"not a port number: {port_text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError("port", f"out of range: {port}")
+    pools_path = Path(args.config) if args.config else data / "pools.json"
+    pools = pool_config.load(pools_path) if args.config or pools_path.exists() else pool_config.GatewayFileConfig()
+    rate = args.electricity_rate if args.electricity_rate is not None else pools.electricity_rate_usd_per_kwh
+    if rate < 0:
+        raise ConfigError("electricity-rate", "must be >= 0")
+    price_book = load_price_book(args.price_book) if args.price_book else price_book_of(pools)
+    if args.retention_days <= 0:
+        raise ConfigError("retention-days", "must be > 0")
+    if args.query_timeout <= 0:
+        raise ConfigError("query-timeout", "must be > 0")
+    return AccountingConfig(
+        db_path=Path(args.db) if args.db else data / "accounting.duckdb",
+        host=args.host, port=port, electricity_rate_usd_per_kwh=rate,
+        price_book=price_book, retention_days=args.retention_days,
+        export_dir=Path(args.export_dir) if args.export_dir else data / "exports",
+        query_timeout_s=args.query_timeout, limits=Limits(max_gap_s=args.max_gap),
+    )
 
 
 async def run(args: argparse.Namespace) -> None:
     data = data_dir(args.data_dir)
-    config = AccountingConfig(db_path=Path(args.db) if args.db else data / "accounting.duckdb")
+    config = build_config(args, data)
     async with bus_session(nats_url_from_env(args.nats), "accounting", data) as nc:
         service = AccountingService(nc, config)
-        announce("accounting", f"consuming usage into {config.db_path}")
-        await service.run()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(service.run())
+            await service.ready.wait()  # a failing run() cancels this wait through the group
+            announce("accounting", f"listening on {service.url}; ledger {config.db_path}")
 
 
 def main(argv: list[str] | None = None) -> None:

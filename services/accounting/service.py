@@ -1,4 +1,11 @@
-"""The accounting I/O shell: durable USAGE consumer and the SQL responder."""
+"""The accounting I/O shell: durable USAGE and ENERGY consumers, rollup and retention jobs, the SQL and
+costs responders on the bus, and the admin HTTP server (``POST /sql``, ``GET /costs``).
+
+Exactly once: messages are fetched in batches from durable pull consumers, written in one DuckDB
+transaction, and acknowledged only after the commit. A crash before the ack means redelivery, which
+the ledger's message identities (request id; worker/session/seq) turn into a no-op. A message that does
+not decode is stored in ``parked`` with the reason and terminated, never retried forever.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +13,73 @@ import asyncio
 import contextlib
 import datetime as dt
 import decimal
+import hashlib
 import logging
-from dataclasses import dataclass
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
+from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.client import JetStreamContext
 
-from proto import ProtoDecodeError, UsageRecord, decode, subjects
-from services.accounting.store import LedgerThread, QueryFailed, QueryRejected
-from services.common.runtime import raise_if_cancelling
+from proto import EnergySample, ProtoDecodeError, UsageRecord, decode, subjects
+from services.accounting.intervals import Limits
+from services.accounting.puller import BatchPuller
+from services.accounting.store import LedgerThread, PriceBookEntry, QueryFailed, QueryRejected
+from services.common import pool_config
+from services.common.http import HTTPError, error_body, error_middleware, read_json_object, serving
+from services.common.runtime import ConfigError, raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
 USAGE_DURABLE = "accounting-usage"
+ENERGY_DURABLE = "accounting-energy"
+
+
+def price_book_of(pools: pool_config.GatewayFileConfig) -> dict[str, PriceBookEntry]:
+    return {model: PriceBookEntry(p.prompt_usd_per_m, p.cached_usd_per_m, p.output_usd_per_m)
+            for model, p in pools.price_book.items()}
 
 
 @dataclass(frozen=True)
 class AccountingConfig:
+    """``port`` None: no HTTP server (the bus responders still run); 0 picks a free port."""
+
     db_path: Path
     batch_size: int = 512
     fetch_timeout_s: float = 1.0
+    # A batch fetched but not acked (the process stopped mid-batch) is redelivered after this long.
+    ack_wait_s: float = 60.0
+    host: str = "127.0.0.1"
+    port: int | None = None
+    electricity_rate_usd_per_kwh: float = 0.125
+    price_book: dict[str, PriceBookEntry] = field(default_factory=dict)
+    retention_days: float = 30.0
+    maintenance_interval_s: float = 3600.0
+    rollup_interval_s: float = 2.0
+    query_timeout_s: float = 10.0
+    max_query_rows: int = 10_000
+    max_sql_chars: int = 20_000
+    auth_timeout_s: float = 2.0
+    export_dir: Path | None = None
+    limits: Limits = field(default_factory=Limits)
 
 
 @dataclass
 class AccountingStats:
     usage_ingested: int = 0
     usage_duplicates: int = 0
+    energy_ingested: int = 0
+    energy_duplicates: int = 0
     poison_messages: int = 0
+    rollup_refreshes: int = 0
 
 
 def _jsonable(value: Any) -> Any:
@@ -48,6 +89,10 @@ def _jsonable(value: Any) -> Any:
         return float(value)
     if isinstance(value, bytes):
         return value.hex()
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
     return value
 
 
@@ -56,78 +101,299 @@ class AccountingService:
         self.nc = nc
         self.config = config
         self.stats = AccountingStats()
-        self.ledger = LedgerThread(config.db_path)
+        self.ledger = LedgerThread(config.db_path, config.limits)
+        now_s = time.time()
+        self.ledger.submit(lambda ledger: ledger.set_tariff(config.electricity_rate_usd_per_kwh, now_s,
+                                                            "--electricity-rate")).result()
+        if config.price_book:
+            self.ledger.submit(lambda ledger: ledger.set_price_book(config.price_book)).result()
         self.ingested = asyncio.Event()  # set after every committed batch (tests await it)
-        self._psub: JetStreamContext.PullSubscription | None = None
+        self.ready = asyncio.Event()  # set once the responders (and the HTTP server, if any) are up
+        self.config_applied = asyncio.Event()  # set after a gateway's config change was applied (tests)
+        self.url: str | None = None
+        self._subs: list[Any] = []
+        self._pullers: list[BatchPuller] = []
+        self._last_refresh_s = 0.0
 
     async def run(self) -> None:
-        sql_sub = await self.nc.subscribe(subjects.ACCOUNTING_SQL, cb=self._on_sql)
         try:
-            await self._consume_usage()
+            self._subs.append(await self.nc.subscribe(subjects.ACCOUNTING_SQL, cb=self._on_sql))
+            self._subs.append(await self.nc.subscribe(subjects.ACCOUNTING_COSTS, cb=self._on_costs))
+            self._subs.append(await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self._on_config_changed))
+            async with contextlib.AsyncExitStack() as stack:
+                if self.config.port is not None:
+                    self.url = await stack.enter_async_context(
+                        serving(self.app(), self.config.host, self.config.port))
+                self.ready.set()
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(self._consume(subjects.STREAM_USAGE, subjects.USAGE_SUBJECTS, USAGE_DURABLE,
+                                                 self._ingest_usage))
+                    tg.create_task(self._consume(subjects.STREAM_ENERGY, subjects.ENERGY_SUBJECTS, ENERGY_DURABLE,
+                                                 self._ingest_energy))
+                    tg.create_task(self._maintenance_loop())
         finally:
             # Unsubscribe before the connection drains, so the drain does not wait on a pending fetch.
-            for sub in (sql_sub, self._psub):
+            for sub in self._subs:
                 with contextlib.suppress(Exception):
-                    if sub is not None:
-                        await sub.unsubscribe()
+                    await sub.unsubscribe()
+            for puller in self._pullers:
+                await puller.stop()
             self.ledger.close()
 
-    async def _consume_usage(self) -> None:
-        js = self.nc.jetstream()
-        self._psub = psub = await js.pull_subscribe(
-            subjects.USAGE_SUBJECTS,
-            durable=USAGE_DURABLE,
-            stream=subjects.STREAM_USAGE,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_ack_pending=20_000, ack_wait=60.0),
-        )
+    async def _on_config_changed(self, msg: Msg) -> None:
+        """A gateway saved its pools file (Config page): take its electricity rate and price book."""
+        try:
+            pools = pool_config.parse(msgspec.json.decode(msg.data)["config"])
+        except (msgspec.DecodeError, KeyError, TypeError, ConfigError) as exc:
+            log.warning("ignored a config-changed message: %s", exc)
+            return
+        now_s, book = time.time(), price_book_of(pools)
+        await asyncio.wrap_future(self.ledger.submit(lambda ledger: ledger.set_tariff(
+            pools.electricity_rate_usd_per_kwh, now_s, "gateway config")))
+        await asyncio.wrap_future(self.ledger.submit(lambda ledger: ledger.set_price_book(book, replace=True)))
+        self.config_applied.set()
+        log.info("electricity rate %.4g $/kWh and %d price-book entries from the gateway's config",
+                 pools.electricity_rate_usd_per_kwh, len(book))
+
+    # ---- ingest ---------------------------------------------------------------------------------------
+
+    async def _consume(self, stream: str, subject: str, durable: str,
+                       ingest: Callable[[list[Msg]], Awaitable[None]]) -> None:
+        puller = BatchPuller(self.nc, stream, durable, subject, ConsumerConfig(
+            durable_name=durable, ack_policy=AckPolicy.EXPLICIT, max_ack_pending=20_000,
+            ack_wait=self.config.ack_wait_s, filter_subject=subject))
+        await puller.start()
+        self._pullers.append(puller)
         while True:
             try:
-                msgs = await psub.fetch(self.config.batch_size, timeout=self.config.fetch_timeout_s)
-            except (NatsTimeout, TimeoutError):  # nats-py raises either on an empty fetch
-                raise_if_cancelling()
-                continue
+                msgs = await puller.fetch(self.config.batch_size, self.config.fetch_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # bus trouble (reconnecting, …): nothing is acked, so nothing is lost
                 raise_if_cancelling()
-                log.warning("usage fetch failed: %s; retrying", exc)
+                log.warning("%s fetch failed: %s; retrying", stream, exc)
                 await asyncio.sleep(1.0)
                 continue
-            await self._ingest(msgs)
+            if not msgs:
+                await self._maybe_refresh(caught_up=True)
+                continue
+            await ingest(msgs)
+            await self._maybe_refresh(caught_up=len(msgs) < self.config.batch_size)
+            self.ingested.set()
 
-    async def _ingest(self, msgs: list[Msg]) -> None:
-        records: list[UsageRecord] = []
+    async def _decode_all(self, stream: str, msgs: list[Msg], cls: type[Any]) -> tuple[list[Any], list[Msg]]:
+        items: list[Any] = []
         good: list[Msg] = []
         for msg in msgs:
             try:
-                records.append(decode(msg.data, UsageRecord))
+                items.append(decode(msg.data, cls))
                 good.append(msg)
             except ProtoDecodeError as exc:
-                # Poison: count it and stop redelivery (term), never retry it forever.
-                self.stats.poison_messages += 1
-                log.warning("parked undecodable usage message on %s: %s", msg.subject, exc.reason)
-                await msg.term()
+                await self._park(stream, msg, exc.reason)
+        return items, good
+
+    async def _park(self, stream: str, msg: Msg, reason: str) -> None:
+        """Poison: keep it with the reason, count it, and stop redelivery (term)."""
+        self.stats.poison_messages += 1
+        try:
+            seq: int | None = msg.metadata.sequence.stream
+        except Exception:  # not a JetStream delivery (no metadata in the reply subject)
+            seq = None
+        await self._write(lambda ledger: ledger.park(stream, msg.subject, seq, reason, msg.data))
+        log.warning("parked undecodable %s message on %s: %s", stream, msg.subject, reason)
+        await msg.term()
+
+    async def _write(self, fn: Callable[[Any], Any]) -> Any:
+        return await asyncio.wrap_future(self.ledger.submit(fn))
+
+    async def _ingest_usage(self, msgs: list[Msg]) -> None:
+        records, good = await self._decode_all(subjects.STREAM_USAGE, msgs, UsageRecord)
         if records:
-            added = await asyncio.wrap_future(self.ledger.submit(lambda ledger: ledger.insert_usage(records)))
+            added = await self._write(lambda ledger: ledger.insert_usage(records))
             self.stats.usage_ingested += added
             self.stats.usage_duplicates += len(records) - added
             # Ack only after the commit: a crash before this line means redelivery, which the
             # primary key turns into a no-op.
             for msg in good:
                 await msg.ack()
-            log.debug("ingested %d usage records (%d duplicates)", added, len(records) - added)
-        self.ingested.set()
+
+    async def _ingest_energy(self, msgs: list[Msg]) -> None:
+        samples, good = await self._decode_all(subjects.STREAM_ENERGY, msgs, EnergySample)
+        if samples:
+            result = await self._write(lambda ledger: ledger.insert_energy(samples))
+            self.stats.energy_ingested += result.num_new
+            self.stats.energy_duplicates += result.num_duplicates
+            for msg in good:
+                await msg.ack()
+
+    # ---- rollups and maintenance ------------------------------------------------------------------------
+
+    async def _maybe_refresh(self, caught_up: bool) -> None:
+        """Refresh rollups when a consumer has caught up, and at least every ``rollup_interval_s`` while
+        it catches up (so a long backlog is not refreshed hour by hour, batch by batch)."""
+        now = time.monotonic()
+        if caught_up or now - self._last_refresh_s >= self.config.rollup_interval_s:
+            self._last_refresh_s = now
+            await self.refresh_rollups()
+
+    async def refresh_rollups(self) -> int:
+        now_s = time.time()
+        num = await self._write(lambda ledger: ledger.refresh_rollups(now_s, self.config.retention_days))
+        if num:
+            self.stats.rollup_refreshes += 1
+        return int(num)
+
+    async def _maintenance_loop(self) -> None:
+        """Retention (raw energy rows older than ``retention_days``), checkpoint, and the Parquet export."""
+        while True:
+            await asyncio.sleep(self.config.maintenance_interval_s)
+            try:
+                await self.maintain()
+            except Exception:
+                log.exception("accounting maintenance failed; retrying next cycle")
+
+    async def maintain(self) -> None:
+        await self.refresh_rollups()
+        now_s = time.time()
+        deleted = await self._write(lambda ledger: ledger.enforce_retention(now_s, self.config.retention_days))
+        log.info("retention: deleted %d raw energy samples older than %.0f days", deleted, self.config.retention_days)
+        if self.config.export_dir is not None:
+            await self.export_parquet()
+
+    async def export_parquet(self) -> list[str]:
+        if self.config.export_dir is None:
+            raise QueryRejected("this accounting service has no --export-dir")
+        export_dir = self.config.export_dir
+        await self.refresh_rollups()
+        paths = await self._write(lambda ledger: ledger.export_parquet(export_dir))
+        return [str(p) for p in paths]
+
+    # ---- queries ----------------------------------------------------------------------------------------
+
+    async def run_sql(self, sql: str) -> tuple[list[str], list[list[Any]]]:
+        """One operator query on the reader thread, interrupted after ``query_timeout_s``."""
+        wrapped = asyncio.wrap_future(
+            self.ledger.submit_query(sql, self.config.max_query_rows, self.config.max_sql_chars))
+        try:
+            columns, rows = await asyncio.wait_for(asyncio.shield(wrapped), self.config.query_timeout_s)
+        except TimeoutError:
+            raise_if_cancelling()
+            self.ledger.ledger.interrupt()
+            with contextlib.suppress(QueryFailed, QueryRejected):
+                await wrapped  # the reader thread is free again before the next query
+            raise QueryTimedOut(self.config.query_timeout_s) from None
+        return columns, [[_jsonable(v) for v in r] for r in rows]
+
+    async def costs(self, num_days: int = 30) -> dict[str, Any]:
+        now_s = time.time()
+        retention = self.config.retention_days
+
+        def work(ledger: Any) -> dict[str, Any]:
+            ledger.refresh_rollups(now_s, retention)
+            return ledger.costs(now_s, num_days)  # type: ignore[no-any-return]
+
+        return _jsonable(await self._write(work))  # type: ignore[no-any-return]
 
     async def _on_sql(self, msg: Msg) -> None:
+        reply: dict[str, Any]
         try:
             request = msgspec.json.decode(msg.data)
-            sql = request["sql"] if isinstance(request, dict) else None
-            if not isinstance(sql, str):
-                raise QueryRejected('send {"sql": "SELECT …"}')
-            columns, rows = await asyncio.wrap_future(self.ledger.submit(lambda ledger: ledger.query(sql)))
-            reply: dict[str, Any] = {"columns": columns, "rows": [[_jsonable(v) for v in r] for r in rows]}
-        except (QueryRejected, QueryFailed) as exc:
+            if isinstance(request, dict) and request.get("export_parquet"):
+                reply = {"files": await self.export_parquet()}
+            else:
+                sql = request.get("sql") if isinstance(request, dict) else None
+                if not isinstance(sql, str):
+                    raise QueryRejected('send {"sql": "SELECT …"}')
+                columns, rows = await self.run_sql(sql)
+                reply = {"columns": columns, "rows": rows}
+        except (QueryRejected, QueryFailed, QueryTimedOut) as exc:
             reply = {"error": str(exc)}
         except msgspec.DecodeError:
             reply = {"error": "request is not JSON"}
         await msg.respond(msgspec.json.encode(reply))
+
+    async def _on_costs(self, msg: Msg) -> None:
+        try:
+            request = msgspec.json.decode(msg.data) if msg.data else {}
+            reply = await self.costs(_days(request.get("days", 30) if isinstance(request, dict) else None))
+        except (msgspec.DecodeError, ValueError) as exc:
+            reply = error_body(f"bad costs request: {exc}", "invalid_request_error", "invalid_request")
+        await msg.respond(msgspec.json.encode(reply))
+
+    # ---- HTTP -------------------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[error_middleware], client_max_size=1 << 20)
+        app.router.add_post("/sql", self._http_sql)
+        app.router.add_get("/costs", self._http_costs)
+        app.router.add_get("/health", self._http_health)
+        return app
+
+    async def _require_admin(self, request: web.Request) -> None:
+        """``Authorization: Bearer sk-…`` checked by the gateways over ``llm.v1.auth.check`` (only the
+        key's SHA-256 crosses the bus). No or unknown key → 401, a non-admin key → 403."""
+        header = request.headers.get("Authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise HTTPError(401, "send an admin API key: Authorization: Bearer sk-…", code="missing_api_key")
+        digest = hashlib.sha256(key.strip().encode()).hexdigest()
+        try:
+            msg = await self.nc.request(subjects.AUTH_CHECK, msgspec.json.encode({"key_sha256": digest}),
+                                        timeout=self.config.auth_timeout_s)
+            answer = msgspec.json.decode(msg.data)
+        except (NoRespondersError, NatsTimeout, TimeoutError):
+            raise_if_cancelling()
+            raise HTTPError(503, "cannot check the API key: no gateway answered on the bus",
+                            code="auth_unavailable", retry_after_s=5) from None
+        except msgspec.DecodeError:
+            raise HTTPError(503, "the key check returned garbage", code="auth_unavailable") from None
+        if not isinstance(answer, dict) or not answer.get("ok"):
+            raise HTTPError(401, "invalid API key", code="invalid_api_key")
+        if answer.get("role") != "admin":
+            raise HTTPError(403, "this endpoint needs an admin API key", code="admin_required")
+
+    async def _http_sql(self, request: web.Request) -> web.StreamResponse:
+        await self._require_admin(request)
+        body = await read_json_object(request)
+        sql = body.get("sql")
+        if not isinstance(sql, str):
+            raise HTTPError(400, 'send {"sql": "SELECT …"}', code="invalid_request", param="sql")
+        try:
+            columns, rows = await self.run_sql(sql)
+        except QueryRejected as exc:
+            raise HTTPError(400, str(exc), code="query_rejected") from None
+        except QueryFailed as exc:
+            raise HTTPError(400, str(exc), code="query_failed") from None
+        except QueryTimedOut as exc:
+            raise HTTPError(408, str(exc), code="query_timeout") from None
+        return web.json_response({"columns": columns, "rows": rows})
+
+    async def _http_costs(self, request: web.Request) -> web.StreamResponse:
+        await self._require_admin(request)
+        try:
+            days = _days(request.query.get("days", "30"))
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), code="invalid_request", param="days") from None
+        return web.json_response(await self.costs(days))
+
+    async def _http_health(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"ok": True})
+
+
+class QueryTimedOut(RuntimeError):
+    """An operator query ran past ``query_timeout_s`` and was interrupted."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"query interrupted after {timeout_s:g} s (the limit for operator queries)")
+        self.timeout_s = timeout_s
+
+
+def _days(value: Any) -> int:
+    """A window length in days: 1..366."""
+    try:
+        days = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"days must be an integer, got {value!r}") from None
+    if not 1 <= days <= 366:
+        raise ValueError(f"days must be between 1 and 366, got {days}")
+    return days

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import csv
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ class SqlError(RuntimeError):
     pass
 
 
-async def _over_bus(url: str, sql: str, timeout_s: float) -> dict[str, Any] | None:
+async def _over_bus(url: str, request: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
     import nats
     from nats.errors import NoRespondersError, NoServersError
     from nats.errors import TimeoutError as NatsTimeout
@@ -35,7 +36,7 @@ async def _over_bus(url: str, sql: str, timeout_s: float) -> dict[str, Any] | No
     except (NoServersError, OSError, TimeoutError, NatsTimeout):
         return None
     try:
-        msg = await nc.request(subjects.ACCOUNTING_SQL, msgspec.json.encode({"sql": sql}), timeout=timeout_s)
+        msg = await nc.request(subjects.ACCOUNTING_SQL, msgspec.json.encode(request), timeout=timeout_s)
         return msgspec.json.decode(msg.data)  # type: ignore[no-any-return]
     except NoRespondersError:
         return None
@@ -43,7 +44,8 @@ async def _over_bus(url: str, sql: str, timeout_s: float) -> dict[str, Any] | No
         await nc.close()
 
 
-def _from_file(db: Path, sql: str) -> dict[str, Any]:
+def _from_file(db: Path, sql: str | None, export_dir: Path) -> dict[str, Any]:
+    """Open the ledger read-only (same guards as the service: no file access, read-only transaction)."""
     import duckdb
 
     from services.accounting.store import Ledger, QueryFailed, QueryRejected
@@ -55,6 +57,8 @@ def _from_file(db: Path, sql: str) -> dict[str, Any]:
     except duckdb.Error as exc:
         raise SqlError(f"cannot open {db} ({exc}); is the accounting service running elsewhere?") from None
     try:
+        if sql is None:
+            return {"files": [str(p) for p in ledger.export_parquet(export_dir)]}
         columns, rows = ledger.query(sql)
         return {"columns": columns, "rows": [list(r) for r in rows]}
     except (QueryRejected, QueryFailed) as exc:
@@ -74,27 +78,37 @@ def format_table(columns: list[str], rows: list[list[Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="llmgw sql", description=__doc__.splitlines()[0])
-    parser.add_argument("query", help="one read-only SELECT statement")
+    parser.add_argument("query", nargs="?", help="one read-only SELECT statement")
     parser.add_argument("--format", choices=["table", "json", "csv"], default="table")
+    parser.add_argument("--export-parquet", nargs="?", const="", metavar="DIR",
+                        help="write the rollup tables as Parquet: the running service writes to its --export-dir; "
+                             "with no service running, to DIR (default DATA_DIR/exports)")
     parser.add_argument("--nats", help="NATS URL (default: $NATS_URL, else the running stack's)")
     parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
     parser.add_argument("--db", help="DuckDB file when no accounting service runs")
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args(argv)
-    import os
+    exporting = args.export_parquet is not None
+    if exporting == (args.query is not None):
+        parser.error("give either a query or --export-parquet")
 
     data = data_dir(args.data_dir)
     url = args.nats or os.environ.get("NATS_URL") or (read_stack_file(data) or {}).get("nats_url")
-    result = asyncio.run(_over_bus(url, args.query, args.timeout)) if url else None
+    request: dict[str, Any] = {"export_parquet": True} if exporting else {"sql": args.query}
+    result = asyncio.run(_over_bus(url, request, args.timeout)) if url else None
     try:
         if result is None:
-            result = _from_file(Path(args.db) if args.db else data / "accounting.duckdb", args.query)
+            export_dir = Path(args.export_parquet) if args.export_parquet else data / "exports"
+            result = _from_file(Path(args.db) if args.db else data / "accounting.duckdb", args.query, export_dir)
     except SqlError as exc:
         print(f"llmgw sql: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
     if "error" in result:
         print(f"llmgw sql: {result['error']}", file=sys.stderr)
         raise SystemExit(1)
+    if exporting:
+        print("\n".join(result["files"]))
+        return
     columns, rows = result["columns"], result["rows"]
     if args.format == "json":
         print(json.dumps([dict(zip(columns, r, strict=True)) for r in rows], default=str, indent=2))

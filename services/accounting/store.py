@@ -1,143 +1,506 @@
-"""The DuckDB ledger. Owned by exactly one thread (see :class:`LedgerThread`)."""
+"""The DuckDB ledger: ingest, derived intervals, rollups, retention, costs and the operator SQL guard.
+
+Threads: every write runs on one writer thread (:class:`LedgerThread`); operator SQL runs on a second
+thread through its own connection (``Ledger.reader``), inside a read-only transaction, so a slow query
+never holds up ingest and can be interrupted.
+
+The database is opened with ``enable_external_access = false`` and its configuration is locked once
+the connections exist: no statement run here (ours or an operator's) can read or write a file, attach
+a database, or install/load an extension. The Parquet export therefore copies rows into a separate
+in-memory DuckDB that may write files (:meth:`Ledger.export_parquet`).
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import datetime as dt
-from collections.abc import Callable, Sequence
+import math
+import os
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import duckdb
 
-from proto import UsageRecord
+from proto import EnergySample, UsageRecord
+from services.accounting import costs, schema
+from services.accounting.intervals import Interval, Limits, Reading, Sample, TokenCount, attribute, derive_intervals
 
 T = TypeVar("T")
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS requests (
-    request_id      VARCHAR PRIMARY KEY,
-    ts              TIMESTAMPTZ NOT NULL,
-    gateway_id      VARCHAR NOT NULL,
-    gateway_session VARCHAR NOT NULL,
-    gateway_seq     BIGINT NOT NULL,
-    model           VARCHAR NOT NULL,
-    pool            VARCHAR NOT NULL,
-    member          VARCHAR,
-    worker_id       VARCHAR,
-    api_key_id      VARCHAR,
-    endpoint        VARCHAR,
-    stream          BOOLEAN,
-    status          VARCHAR NOT NULL,
-    http_status     INTEGER,
-    finish_reason   VARCHAR,
-    error_code      VARCHAR,
-    prompt_tokens   BIGINT NOT NULL,
-    cached_tokens   BIGINT NOT NULL,
-    output_tokens   BIGINT NOT NULL,
-    ttft_ms         DOUBLE,
-    latency_ms      DOUBLE,
-    routing_reason  VARCHAR,
-    ingested_at     TIMESTAMPTZ NOT NULL DEFAULT now()
-);
-"""
+HOUR_S = 3600
 
 _USAGE_COLUMNS = (
-    "request_id, ts, gateway_id, gateway_session, gateway_seq, model, pool, member, worker_id, "
-    "api_key_id, endpoint, stream, status, http_status, finish_reason, error_code, prompt_tokens, "
-    "cached_tokens, output_tokens, ttft_ms, latency_ms, routing_reason"
+    ("request_id", "VARCHAR"), ("ts", "TIMESTAMPTZ"), ("gateway_id", "VARCHAR"), ("gateway_session", "VARCHAR"),
+    ("gateway_seq", "BIGINT"), ("model", "VARCHAR"), ("pool", "VARCHAR"), ("member", "VARCHAR"),
+    ("worker_id", "VARCHAR"), ("api_key_id", "VARCHAR"), ("endpoint", "VARCHAR"), ("stream", "BOOLEAN"),
+    ("status", "VARCHAR"), ("http_status", "INTEGER"), ("finish_reason", "VARCHAR"), ("error_code", "VARCHAR"),
+    ("prompt_tokens", "BIGINT"), ("cached_tokens", "BIGINT"), ("output_tokens", "BIGINT"), ("ttft_ms", "DOUBLE"),
+    ("latency_ms", "DOUBLE"), ("routing_reason", "VARCHAR"),
+)
+_INTERVAL_COLUMNS = (
+    ("worker_id", "VARCHAR"), ("session_id", "VARCHAR"), ("device_id", "VARCHAR"), ("start_seq", "BIGINT"),
+    ("end_seq", "BIGINT"), ("start_ts", "TIMESTAMPTZ"), ("end_ts", "TIMESTAMPTZ"), ("model_id", "VARCHAR"),
+    ("kind", "VARCHAR"), ("method", "VARCHAR"), ("energy_j", "DOUBLE"), ("device_s", "DOUBLE"),
+    ("is_reset", "BOOLEAN"), ("is_wrap", "BOOLEAN"), ("is_gap", "BOOLEAN"), ("is_implausible", "BOOLEAN"),
+    ("prompt_tokens", "BIGINT"), ("output_tokens", "BIGINT"),
+)
+_ATTRIBUTION_COLUMNS = (
+    ("worker_id", "VARCHAR"), ("session_id", "VARCHAR"), ("device_id", "VARCHAR"), ("end_seq", "BIGINT"),
+    ("start_ts", "TIMESTAMPTZ"), ("end_ts", "TIMESTAMPTZ"), ("model_id", "VARCHAR"), ("method", "VARCHAR"),
+    ("request_id", "VARCHAR"), ("energy_j", "DOUBLE"), ("prompt_tokens", "BIGINT"), ("output_tokens", "BIGINT"),
 )
 
 
 class QueryRejected(ValueError):
-    """The SQL is not exactly one read-only SELECT statement."""
+    """The SQL is not exactly one read-only SELECT statement (or is too long)."""
 
 
 class QueryFailed(RuntimeError):
-    """DuckDB refused or failed the query."""
+    """DuckDB refused or failed the query (including: reading a file, which is disabled)."""
 
 
-def _usage_row(r: UsageRecord) -> tuple[Any, ...]:
-    return (
-        r.request_id, dt.datetime.fromtimestamp(r.ts_s, dt.UTC), r.gateway_id, r.session_id, r.seq,
-        r.model, r.pool, r.member, r.worker_id, r.api_key_id, r.endpoint, r.stream, r.status,
-        r.http_status, r.finish_reason, r.error_code, r.prompt_tokens, r.cached_tokens,
-        r.output_tokens, r.ttft_ms, r.latency_ms, r.routing_reason,
-    )
+@dataclass(frozen=True)
+class PriceBookEntry:
+    """List price in $ per 1M tokens: what the tokens would have cost from a paid API."""
+
+    prompt_usd_per_m: float
+    cached_usd_per_m: float
+    output_usd_per_m: float
+
+
+@dataclass(frozen=True)
+class EnergyIngest:
+    num_new: int
+    num_duplicates: int
+
+
+def _connect(path: Path, read_only: bool) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect(str(path), read_only=read_only, config={"enable_external_access": False})
+    con.execute("SET TimeZone = 'UTC'")
+    return con
+
+
+def _ts(epoch_s: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(epoch_s, dt.UTC)
+
+
+def _hours(start_s: float, end_s: float) -> list[float]:
+    """The UTC hour starts (epoch s) that an interval touches."""
+    lo = math.floor(min(start_s, end_s) / HOUR_S) * HOUR_S
+    hi = math.floor(max(start_s, end_s) / HOUR_S) * HOUR_S
+    return [float(h) for h in range(int(lo), int(hi) + 1, HOUR_S)]
 
 
 class Ledger:
-    """Synchronous DuckDB access. Not thread-safe: call it from one thread only."""
+    """Synchronous DuckDB access. The writer methods belong to one thread, :meth:`query` to another."""
 
-    def __init__(self, path: Path, read_only: bool = False) -> None:
+    def __init__(self, path: Path, read_only: bool = False, limits: Limits | None = None) -> None:
         self.path = path
-        if read_only:
-            self.con = duckdb.connect(str(path), read_only=True)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.con = duckdb.connect(str(path))
-        self.con.execute("SET TimeZone = 'UTC'")
+        self.limits = limits or Limits()
         if not read_only:
-            self.con.execute(SCHEMA)
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.con = _connect(path, read_only)
+        if not read_only:
+            self.con.execute(schema.TABLES)
+            self.con.execute(schema.VIEWS)
+        self.reader = self.con.cursor()
+        self.reader.execute("SET TimeZone = 'UTC'")
+        # From here on no connection can change a setting: external access stays off.
+        self.con.execute("SET lock_configuration = true")
+        self._last_sample: dict[tuple[str, str], Sample] = {}  # newest stored sample per worker session
 
     def close(self) -> None:
+        self.reader.close()
         self.con.close()
+
+    # ---- configuration rows ---------------------------------------------------------------------------
+
+    def set_tariff(self, usd_per_kwh: float, now_s: float, source: str) -> None:
+        """Record the configured rate, effective now, unless it is already the rate in force."""
+        row = self.con.execute("SELECT usd_per_kwh FROM tariff ORDER BY effective_from DESC LIMIT 1").fetchone()
+        if row is not None and row[0] == usd_per_kwh:
+            return
+        # The first rate also covers everything before it, so old energy gets a price.
+        effective = _ts(now_s) if row is not None else dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+        self.con.execute("INSERT OR REPLACE INTO tariff VALUES (?, ?, ?)", [effective, usd_per_kwh, source])
+
+    def set_price_book(self, entries: dict[str, PriceBookEntry], replace: bool = False) -> None:
+        """Upsert list prices; ``replace``: the given book is the whole book (a model not in it loses its price)."""
+        self.con.execute("BEGIN")
+        if replace:
+            self.con.execute("DELETE FROM price_book")
+        for model_id, e in entries.items():
+            self.con.execute("INSERT OR REPLACE INTO price_book VALUES (?, ?, ?, ?, now())",
+                             [model_id, e.prompt_usd_per_m, e.cached_usd_per_m, e.output_usd_per_m])
+        self.con.execute("COMMIT")
+
+    def current_rate(self) -> float | None:
+        row = self.con.execute("SELECT usd_per_kwh FROM tariff ORDER BY effective_from DESC LIMIT 1").fetchone()
+        return None if row is None else float(row[0])
+
+    # ---- ingest -----------------------------------------------------------------------------------------
+
+    def _insert(self, table: str, columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[Any]],
+                returning: str = "") -> list[tuple[Any, ...]]:
+        """Insert rows column-wise (one list parameter per column: ~100x faster than executemany);
+        a primary key already present is skipped. Returns the RETURNING rows or the inserted count."""
+        if not rows:
+            return []
+        names = ", ".join(name for name, _ in columns)
+        selects = ", ".join(f"unnest(${i + 1}::{kind}[])" for i, (_, kind) in enumerate(columns))
+        params = [list(col) for col in zip(*rows, strict=True)]
+        sql = f"INSERT OR IGNORE INTO {table} ({names}) SELECT * FROM (SELECT {selects})"
+        return self.con.execute(sql + (f" RETURNING {returning}" if returning else ""), params).fetchall()
+
+    def _transaction(self, fn: Callable[[], T]) -> T:
+        self.con.execute("BEGIN")
+        try:
+            result = fn()
+            self.con.execute("COMMIT")
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        return result
 
     def insert_usage(self, records: Sequence[UsageRecord]) -> int:
         """Insert in one transaction; a request id already present is skipped. Returns rows added."""
         if not records:
             return 0
-        before = self._count()
-        self.con.execute("BEGIN")
+
+        def work() -> int:
+            rows = [(r.request_id, _ts(r.ts_s), r.gateway_id, r.session_id, r.seq, r.model, r.pool, r.member,
+                     r.worker_id, r.api_key_id, r.endpoint, r.stream, r.status, r.http_status, r.finish_reason,
+                     r.error_code, r.prompt_tokens, r.cached_tokens, r.output_tokens, r.ttft_ms, r.latency_ms,
+                     r.routing_reason) for r in records]
+            added = self._insert("requests", _USAGE_COLUMNS, rows, returning="request_id")
+            new_ids = {a[0] for a in added}
+            # The request ran from ts - latency to ts: its energy shares lie in those hours.
+            dirty: set[float] = set()
+            for r in records:
+                if r.request_id in new_ids:
+                    dirty.update(_hours(r.ts_s - max(r.latency_ms, 0.0) / 1000, r.ts_s))
+            self._mark_dirty(dirty)
+            return len(new_ids)
+
+        return self._transaction(work)
+
+    def _mark_dirty(self, hours: Iterable[float]) -> None:
+        items = sorted(set(hours))
+        if items:
+            self.con.execute("INSERT OR IGNORE INTO rollup_dirty SELECT to_timestamp(unnest($1::DOUBLE[]))",
+                             [items])
+
+    def park(self, stream: str, subject: str, stream_seq: int | None, reason: str, payload: bytes) -> None:
+        """Keep an undecodable message with the reason, so an operator can see what was dropped."""
+        self.con.execute("INSERT INTO parked (stream, subject, stream_seq, reason, payload) VALUES (?, ?, ?, ?, ?)",
+                         [stream, subject, stream_seq, reason, payload])
+
+    def insert_energy(self, batch: Sequence[EnergySample]) -> EnergyIngest:
+        """Store new samples and re-derive the intervals around them, in one transaction.
+
+        A sample is identified by ``(worker_id, session_id, seq)``: one already stored is a duplicate and
+        changes nothing. For each worker session the intervals between the stored neighbours of the new
+        samples are deleted and derived again, so late (out-of-order) samples split the interval that
+        spanned them. The hours those intervals touch are marked for the rollup refresh.
+        """
+        unique = {(s.worker_id, s.session_id, s.seq): s for s in batch}
         try:
-            self.con.executemany(
-                f"INSERT OR IGNORE INTO requests ({_USAGE_COLUMNS}) VALUES "
-                f"({', '.join('?' * 22)})",
-                [_usage_row(r) for r in records],
-            )
-            self.con.execute("COMMIT")
+            return self._transaction(lambda: self._insert_energy(list(unique.values()), len(batch)))
         except BaseException:
-            self.con.execute("ROLLBACK")
+            self._last_sample.clear()  # it may hold samples whose transaction rolled back
             raise
-        return self._count() - before
 
-    def _count(self) -> int:
-        row = self.con.execute("SELECT count(*) FROM requests").fetchone()
-        return int(row[0]) if row else 0
+    def _insert_energy(self, samples: list[EnergySample], num_received: int) -> EnergyIngest:
+        new_keys = {tuple(k) for k in self._insert(
+            "sample_log",
+            (("worker_id", "VARCHAR"), ("session_id", "VARCHAR"), ("seq", "BIGINT"), ("ts", "TIMESTAMPTZ"),
+             ("model_id", "VARCHAR")),
+            [(s.worker_id, s.session_id, s.seq, _ts(s.ts_s), s.model_id) for s in samples],
+            returning="worker_id, session_id, seq")}
+        new = [s for s in samples if (s.worker_id, s.session_id, s.seq) in new_keys]
+        self._insert("energy_samples", (
+            ("worker_id", "VARCHAR"), ("session_id", "VARCHAR"), ("seq", "BIGINT"), ("device_id", "VARCHAR"),
+            ("ts", "TIMESTAMPTZ"), ("kind", "VARCHAR"), ("method", "VARCHAR"), ("energy_mj", "BIGINT"),
+            ("max_range_mj", "BIGINT"), ("power_mw", "BIGINT")),
+            [(s.worker_id, s.session_id, s.seq, r.device_id, _ts(s.ts_s), r.kind, r.method, r.energy_mj,
+              r.max_range_mj, r.power_mw) for s in new for r in s.readings])
+        self._insert("sample_tokens", (
+            ("worker_id", "VARCHAR"), ("session_id", "VARCHAR"), ("seq", "BIGINT"), ("request_id", "VARCHAR"),
+            ("prompt_tokens", "BIGINT"), ("output_tokens", "BIGINT")),
+            [(s.worker_id, s.session_id, s.seq, t.request_id, t.prompt_tokens, t.output_tokens)
+             for s in new for t in s.request_tokens])
+        by_session: dict[tuple[str, str], list[EnergySample]] = defaultdict(list)
+        for s in new:
+            by_session[(s.worker_id, s.session_id)].append(s)
+        intervals: list[tuple[str, str, Interval]] = []
+        shares: list[tuple[Any, ...]] = []
+        dirty: set[float] = set()
+        for (worker_id, session_id), group in by_session.items():
+            for iv, tokens in self._rederive(worker_id, session_id, group, dirty):
+                intervals.append((worker_id, session_id, iv))
+                dirty.update(_hours(iv.start_s, iv.end_s))
+                for sh in attribute(iv, tokens):
+                    shares.append((worker_id, session_id, iv.device_id, iv.end_seq, _ts(iv.start_s), _ts(iv.end_s),
+                                   iv.model_id, iv.method, sh.request_id, sh.energy_j, sh.prompt_tokens,
+                                   sh.output_tokens))
+        self._insert("energy_intervals", _INTERVAL_COLUMNS, [
+            (w, s, iv.device_id, iv.start_seq, iv.end_seq, _ts(iv.start_s), _ts(iv.end_s), iv.model_id, iv.kind,
+             iv.method, iv.energy_j, iv.device_s, iv.is_reset, iv.is_wrap, iv.is_gap, iv.is_implausible,
+             iv.prompt_tokens, iv.output_tokens) for w, s, iv in intervals])
+        # energy_attribution has no key (idle shares have no request id): plain insert.
+        if shares:
+            names = ", ".join(n for n, _ in _ATTRIBUTION_COLUMNS)
+            selects = ", ".join(f"unnest(${i + 1}::{k}[])" for i, (_, k) in enumerate(_ATTRIBUTION_COLUMNS))
+            self.con.execute(f"INSERT INTO energy_attribution ({names}) SELECT * FROM (SELECT {selects})",
+                             [list(c) for c in zip(*shares, strict=True)])
+        self._mark_dirty(dirty)
+        return EnergyIngest(num_new=len(new), num_duplicates=num_received - len(new))
 
-    def query(self, sql: str, max_rows: int = 10_000) -> tuple[list[str], list[tuple[Any, ...]]]:
-        """Run exactly one SELECT (or WITH … SELECT); anything else is rejected before it runs."""
+    def _rederive(self, worker_id: str, session_id: str, group: list[EnergySample], dirty: set[float]
+                  ) -> list[tuple[Interval, list[TokenCount]]]:
+        """Intervals (with the end sample's tokens) for the neighbourhood of ``group``'s new samples."""
+        key = (worker_id, session_id)
+        new_samples = sorted((_sample(s) for s in group), key=lambda s: s.seq)
+        lo, hi = new_samples[0].seq, new_samples[-1].seq
+        last = self._last_sample.get(key)
+        if last is not None and last.seq < lo:
+            # In order (the usual case): the cached newest sample precedes them all; nothing to delete.
+            window = [last, *new_samples]
+            self._last_sample[key] = window[-1]
+        else:
+            window, has_successor = self._load_window(worker_id, session_id, lo, hi)
+            first, final = window[0].seq, window[-1].seq
+            deleted = self.con.execute(
+                "DELETE FROM energy_intervals WHERE worker_id = ? AND session_id = ? AND end_seq > ? AND end_seq <= ? "
+                "RETURNING epoch(start_ts), epoch(end_ts)", [worker_id, session_id, first, final]).fetchall()
+            self.con.execute(
+                "DELETE FROM energy_attribution WHERE worker_id = ? AND session_id = ? AND end_seq > ? "
+                "AND end_seq <= ?", [worker_id, session_id, first, final])
+            for start_s, end_s in deleted:
+                dirty.update(_hours(start_s, end_s))
+            if not has_successor:
+                self._last_sample[key] = window[-1]
+        by_seq = {s.seq: s for s in window}
+        return [(iv, list(by_seq[iv.end_seq].tokens)) for iv in derive_intervals(window, self.limits)]
+
+    def _load_window(self, worker_id: str, session_id: str, lo: int, hi: int) -> tuple[list[Sample], bool]:
+        """Stored samples from the one before ``lo`` to the one after ``hi`` (either may not exist), and
+        whether the one after exists."""
+        row = self.con.execute(
+            "SELECT max(seq) FILTER (seq < $3), min(seq) FILTER (seq > $4) FROM sample_log "
+            "WHERE worker_id = $1 AND session_id = $2", [worker_id, session_id, lo, hi]).fetchone()
+        first = row[0] if row and row[0] is not None else lo
+        has_successor = bool(row and row[1] is not None)
+        last = row[1] if row and has_successor else hi
+        return self._load_samples(worker_id, session_id, first, last), has_successor
+
+    def _load_samples(self, worker_id: str, session_id: str, first: int, last: int) -> list[Sample]:
+        args = [worker_id, session_id, first, last]
+        where = "WHERE worker_id = ? AND session_id = ? AND seq BETWEEN ? AND ?"
+        heads = self.con.execute(f"SELECT seq, epoch(ts), model_id FROM sample_log {where} ORDER BY seq",
+                                 args).fetchall()
+        readings: dict[int, dict[str, Reading]] = defaultdict(dict)
+        for seq, device_id, kind, method, energy_mj, max_range_mj in self.con.execute(
+                f"SELECT seq, device_id, kind, method, energy_mj, max_range_mj FROM energy_samples {where}", args
+        ).fetchall():
+            readings[seq][device_id] = Reading(device_id=device_id, kind=kind, method=method, energy_mj=energy_mj,
+                                               max_range_mj=max_range_mj)
+        tokens: dict[int, list[TokenCount]] = defaultdict(list)
+        for seq, request_id, prompt, output in self.con.execute(
+                f"SELECT seq, request_id, prompt_tokens, output_tokens FROM sample_tokens {where}", args).fetchall():
+            tokens[seq].append(TokenCount(request_id=request_id, prompt_tokens=prompt, output_tokens=output))
+        return [Sample(seq=seq, ts_s=ts_s, model_id=model_id, readings=readings.get(seq, {}),
+                       tokens=tokens.get(seq, [])) for seq, ts_s, model_id in heads]
+
+    # ---- rollups, retention, export ---------------------------------------------------------------------
+
+    def refresh_rollups(self, now_s: float, retention_days: float) -> int:
+        """Recompute the hourly and daily rollups of every hour marked dirty; returns hours refreshed.
+
+        Hours older than the raw-data retention are not recomputed (their raw rows may be gone; their
+        rollups are kept as they were)."""
+        cutoff = _ts(now_s - retention_days * 86400 + HOUR_S)
+
+        def work() -> int:
+            self.con.execute("CREATE OR REPLACE TEMP TABLE dirty_now AS SELECT hour FROM rollup_dirty WHERE hour >= ?",
+                             [cutoff])
+            self.con.execute("DELETE FROM rollup_dirty")
+            row = self.con.execute("SELECT count(*), min(hour), max(hour) + INTERVAL 1 HOUR FROM dirty_now").fetchone()
+            assert row is not None
+            num, lo, hi = row
+            if num:
+                for table in ("energy_hourly", "key_energy_hourly", "usage_hourly"):
+                    self.con.execute(f"DELETE FROM {table} WHERE hour IN (SELECT hour FROM dirty_now)")
+                for sql in (schema.REFRESH_ENERGY_HOURLY, schema.REFRESH_KEY_ENERGY_HOURLY,
+                            schema.REFRESH_USAGE_HOURLY):
+                    self.con.execute(sql, [lo, hi])
+                self.con.execute("CREATE OR REPLACE TEMP TABLE dirty_days AS "
+                                 "SELECT DISTINCT hour::DATE AS day FROM dirty_now")
+                for table, sql in schema.REFRESH_DAILY.items():
+                    self.con.execute(f"DELETE FROM {table} WHERE day IN (SELECT day FROM dirty_days)")
+                    self.con.execute(sql)
+            return int(num)
+
+        return self._transaction(work)
+
+    def enforce_retention(self, now_s: float, retention_days: float) -> int:
+        """Delete raw energy rows older than the retention (rollups stay forever), then checkpoint so
+        the file gives the space back. Returns raw sample rows deleted."""
+        cutoff = _ts(now_s - retention_days * 86400)
+
+        def work() -> int:
+            deleted = 0
+            for table, column in (("energy_attribution", "end_ts"), ("energy_intervals", "end_ts"),
+                                  ("energy_samples", "ts")):
+                row = self.con.execute(f"DELETE FROM {table} WHERE {column} < ?", [cutoff]).fetchone()
+                if table == "energy_samples" and row:
+                    deleted = int(row[0])
+            for table in ("sample_tokens",):
+                self.con.execute(f"DELETE FROM {table} t USING sample_log s WHERE s.ts < ? AND s.worker_id = "
+                                 "t.worker_id AND s.session_id = t.session_id AND s.seq = t.seq", [cutoff])
+            self.con.execute("DELETE FROM sample_log WHERE ts < ?", [cutoff])
+            self.con.execute("DELETE FROM rollup_dirty WHERE hour < ?", [cutoff])
+            return deleted
+
+        deleted = self._transaction(work)
+        self._last_sample = {k: s for k, s in self._last_sample.items() if s.ts_s >= cutoff.timestamp()}
+        self.con.execute("CHECKPOINT")
+        return deleted
+
+    def export_parquet(self, directory: Path) -> list[Path]:
+        """Write every rollup table to ``directory/<table>.parquet`` (temp file + rename).
+
+        The ledger's own database may not touch files, so the rows go through a separate in-memory
+        DuckDB that may."""
+        directory.mkdir(parents=True, exist_ok=True)
+        out = duckdb.connect(":memory:")
+        written = []
         try:
-            statements = self.con.extract_statements(sql)
-        except duckdb.Error as exc:
-            raise QueryRejected(f"cannot parse SQL: {exc}") from None
-        if len(statements) != 1:
-            raise QueryRejected(f"send exactly one statement (got {len(statements)})")
-        if statements[0].type != duckdb.StatementType.SELECT:
-            raise QueryRejected(f"only read-only SELECT queries are allowed (got {statements[0].type.name})")
-        cur = self.con.cursor()
-        try:
-            cur.execute("SET TimeZone = 'UTC'")
-            cur.execute(sql)
-            columns = [d[0] for d in cur.description or []]
-            rows = cur.fetchmany(max_rows)
-        except duckdb.Error as exc:
-            raise QueryFailed(str(exc)) from None
+            out.execute("SET TimeZone = 'UTC'")
+            for table in schema.ROLLUP_TABLES:
+                columns = [(r[0], r[1]) for r in self.con.execute(f"DESCRIBE {table}").fetchall()]
+                out.execute(f"CREATE TABLE {table} ({', '.join(f'{n} {k}' for n, k in columns)})")
+                rows = self.con.execute(f"SELECT * FROM {table}").fetchall()
+                if rows:
+                    selects = ", ".join(f"unnest(${i + 1}::{k}[])" for i, (_, k) in enumerate(columns))
+                    out.execute(f"INSERT INTO {table} SELECT * FROM (SELECT {selects})",
+                                [list(c) for c in zip(*rows, strict=True)])
+                final = directory / f"{table}.parquet"
+                tmp = directory / f".{table}.parquet.tmp"
+                out.execute(f"COPY {table} TO '{tmp}' (FORMAT parquet)")
+                os.replace(tmp, final)
+                written.append(final)
         finally:
-            cur.close()
+            out.close()
+        return written
+
+    # ---- costs --------------------------------------------------------------------------------------------
+
+    def costs(self, now_s: float, num_days: int) -> dict[str, Any]:
+        """The costs document (services/accounting/costs.py) over the ``num_days`` UTC days ending today."""
+        now = _ts(now_s)
+        start = now.date() - dt.timedelta(days=num_days - 1)
+
+        def usage(group: str) -> dict[Any, costs.UsageTotals]:
+            rows = self.con.execute(
+                f"SELECT {group}, sum(num_requests), sum(prompt_tokens), sum(cached_tokens), sum(output_tokens), "
+                f"sum(list_value_usd) FROM daily_usage WHERE day >= ? GROUP BY ALL", [start]).fetchall()
+            return {r[0]: costs.UsageTotals(num_requests=int(r[1]), prompt_tokens=int(r[2]),
+                                            cached_tokens=int(r[3]), output_tokens=int(r[4]), list_value_usd=r[5])
+                    for r in rows}
+
+        def energy(group: str) -> dict[Any, costs.EnergyTotals]:
+            rows = self.con.execute(
+                f"SELECT {group}, sum(measured_j), sum(energy_usd), sum(estimated_j), sum(busy_j), "
+                f"coalesce(sum(busy_output_tokens), 0), sum(covered_s), sum(device_s), list(DISTINCT method) "
+                f"FROM energy_daily WHERE day >= ? GROUP BY ALL", [start]).fetchall()
+            return {r[0]: costs.EnergyTotals(measured_j=r[1], energy_usd=r[2], estimated_j=r[3], busy_j=r[4],
+                                             busy_output_tokens=r[5], covered_s=r[6], device_s=r[7],
+                                             methods=tuple(r[8])) for r in rows}
+
+        key_rows = self.con.execute(
+            "SELECT api_key_id, sum(busy_j), sum(energy_usd), sum(estimated_j), coalesce(sum(output_tokens), 0), "
+            "list(DISTINCT 'counter') FROM key_energy_daily WHERE day >= ? GROUP BY ALL", [start]).fetchall()
+        key_energy = {r[0]: costs.EnergyTotals(measured_j=r[1], energy_usd=r[2], estimated_j=r[3], busy_j=r[1],
+                                               busy_output_tokens=r[4]) for r in key_rows}
+        return costs.build_costs(
+            now=now, num_days=num_days, rate_usd_per_kwh=self.current_rate(),
+            daily_usage=usage("day"), daily_energy=energy("day"),
+            by_model=(usage("model"), energy("model_id")), by_member=(usage("worker_id"), energy("worker_id")),
+            by_api_key=(usage("api_key_id"), key_energy))
+
+    # ---- operator SQL -----------------------------------------------------------------------------------
+
+    def query(self, sql: str, max_rows: int = 10_000, max_sql_chars: int = 20_000
+              ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Run exactly one SELECT (or WITH … SELECT) on the reader connection, in a read-only transaction.
+
+        Refused before it runs: more than ``max_sql_chars``, anything that does not parse, more than one
+        statement, any statement type but SELECT. What a SELECT could still try (a data-modifying CTE, a
+        file reader such as ``read_csv``) fails inside: the transaction is read-only and the database has
+        no external access. Call from one thread at a time; :meth:`interrupt` may come from any thread.
+        """
+        check_query(self.reader, sql, max_sql_chars)
+        cur = self.reader
+        try:
+            cur.execute("BEGIN TRANSACTION READ ONLY")
+            try:
+                cur.execute(sql)
+                columns = [d[0] for d in cur.description or []]
+                rows = cur.fetchmany(max_rows)
+            finally:
+                cur.execute("ROLLBACK")
+        except duckdb.Error as exc:
+            raise QueryFailed(str(exc).split("\n\nLINE", 1)[0]) from None
         return columns, rows
+
+    def interrupt(self) -> None:
+        self.reader.interrupt()
+
+
+def check_query(con: duckdb.DuckDBPyConnection, sql: str, max_sql_chars: int) -> None:
+    """Raise :class:`QueryRejected` unless ``sql`` is one SELECT statement of at most ``max_sql_chars``."""
+    if len(sql) > max_sql_chars:
+        raise QueryRejected(f"query is {len(sql)} characters; the limit is {max_sql_chars}")
+    try:
+        statements = con.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise QueryRejected(f"cannot parse SQL: {exc}") from None
+    if len(statements) != 1:
+        raise QueryRejected(f"send exactly one statement (got {len(statements)})")
+    if statements[0].type != duckdb.StatementType.SELECT:
+        raise QueryRejected(f"only read-only SELECT queries are allowed (got {statements[0].type.name})")
+
+
+def _sample(s: EnergySample) -> Sample:
+    return Sample(seq=s.seq, ts_s=s.ts_s, model_id=s.model_id,
+                  readings={r.device_id: Reading(device_id=r.device_id, kind=r.kind, method=r.method,
+                                                 energy_mj=r.energy_mj, max_range_mj=r.max_range_mj)
+                            for r in s.readings},
+                  tokens=[TokenCount(request_id=t.request_id, prompt_tokens=t.prompt_tokens,
+                                     output_tokens=t.output_tokens) for t in s.request_tokens])
 
 
 class LedgerThread:
-    """Owns a :class:`Ledger` on one dedicated thread; async code submits work to it."""
+    """Owns a :class:`Ledger`: writes on one dedicated thread, operator queries on another."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, limits: Limits | None = None) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="duckdb")
-        self.ledger: Ledger = self._pool.submit(Ledger, path).result()
+        self._query_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="duckdb-sql")
+        self.ledger: Ledger = self._pool.submit(Ledger, path, False, limits).result()
 
     def submit(self, fn: Callable[[Ledger], T]) -> concurrent.futures.Future[T]:
         return self._pool.submit(fn, self.ledger)
 
+    def submit_query(self, sql: str, max_rows: int, max_sql_chars: int
+                     ) -> concurrent.futures.Future[tuple[list[str], list[tuple[Any, ...]]]]:
+        return self._query_pool.submit(self.ledger.query, sql, max_rows, max_sql_chars)
+
     def close(self) -> None:
+        self.ledger.interrupt()
+        self._query_pool.shutdown(wait=True)
         self._pool.submit(self.ledger.close).result()
         self._pool.shutdown(wait=True)

@@ -139,11 +139,12 @@ async def run(args: argparse.Namespace) -> None:
             ready.cancel()
             raise StackError(f"{dead.name} exited during start-up (code {dead.proc.returncode}); see its log above")  # type: ignore[union-attr]
         gateway_url = children[-1].ready.result().removeprefix("listening on ").strip()
+        accounting_url = children[0].ready.result().removeprefix("listening on ").split(";", 1)[0].strip()
         await _wait_for_model(gateway_url, model_id)
-        write_stack_file(data, {"nats_url": url, "gateway_url": gateway_url, "model_id": model_id,
-                                "pid": os.getpid()})
+        write_stack_file(data, {"nats_url": url, "gateway_url": gateway_url, "accounting_url": accounting_url,
+                                "model_id": model_id, "pid": os.getpid()})
         stack.callback(lambda: (data / "stack.json").unlink(missing_ok=True))
-        print(_banner(gateway_url, model_id, url, data, credentials), flush=True)
+        print(_banner(gateway_url, accounting_url, model_id, url, data, credentials), flush=True)
         await _supervise(waits)
 
 
@@ -196,7 +197,7 @@ def _bootstrap_identity(data: Path) -> tuple[str, str] | None:
         store.close()
 
 
-def _banner(gateway_url: str, model_id: str, nats_url: str, data: Path,
+def _banner(gateway_url: str, accounting_url: str, model_id: str, nats_url: str, data: Path,
             credentials: tuple[str, str] | None) -> str:
     if credentials is not None:
         password, key = credentials
@@ -220,6 +221,7 @@ def _banner(gateway_url: str, model_id: str, nats_url: str, data: Path,
    OpenAI SDK: OpenAI(base_url="{gateway_url}/v1", api_key="{key_shown}")
    Admin pages: {gateway_url}/backends  /admin/config/page  /admin/costs
    Usage ledger: .venv/bin/llmgw sql "select request_id, model, output_tokens from requests"
+   Accounting API (admin key): {accounting_url}/costs   POST {accounting_url}/sql
    Ctrl-C stops everything.
 ================================================================================""".rstrip()
 

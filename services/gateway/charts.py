@@ -61,24 +61,27 @@ def daily_chart_svg(days: Sequence[tuple[str, float | None, float | None]], widt
 
 
 def _row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
-    return {"name": name, **{k: entry.get(k) for k in ("prompt_tokens", "cached_tokens", "output_tokens", "kwh",
-                                                       "energy_usd", "list_usd", "j_per_token")}}
+    """One summary of the accounting costs document (docs/accounting.md, "Costs API")."""
+    return {"name": name, "prompt_tokens": entry.get("prompt_tokens"), "cached_tokens": entry.get("cached_tokens"),
+            "output_tokens": entry.get("output_tokens"), "kwh": entry.get("kwh"),
+            "energy_usd": entry.get("energy_usd"), "list_usd": entry.get("list_value_usd"),
+            "j_per_token": entry.get("j_per_output_token"), "coverage_pct": entry.get("coverage_pct")}
 
 
 def costs_view(data: dict[str, Any]) -> dict[str, Any]:
-    """The accounting service's costs JSON (docs/accounting.md) → what costs.html renders."""
+    """The accounting service's costs document → what costs.html renders."""
     periods = []
-    for pid, title in (("today", "Today (UTC)"), ("rolling_30d", "Last 30 days")):
-        entry = data.get(pid) or {}
-        periods.append({"id": pid, "title": title, **_row(title, entry), "coverage_pct": entry.get("coverage_pct")})
+    for pid, title in (("today", "Today (UTC)"), ("window", f"Last {data.get('days', 30)} days")):
+        periods.append({"id": pid, "title": title, **_row(title, data.get(pid) or {})})
     daily = [(d.get("day", ""), d.get("kwh"), d.get("energy_usd")) for d in data.get("daily", [])]
+    methods = sorted({m for entry in (data.get("window") or {}, data.get("today") or {})
+                      for m in entry.get("methods") or []})
 
     def rows(key: str, name_key: str) -> list[dict[str, Any]]:
         return [_row(str(r.get(name_key) or "-"), r) for r in data.get(key, [])]
 
     return {
-        "periods": periods, "chart": daily_chart_svg(daily), "rate": data.get("electricity_rate_usd_per_kwh"),
-        "methods": ", ".join(data.get("energy_methods") or []),
-        "by_model": rows("by_model", "model"), "by_member": rows("by_member", "member"),
-        "by_key": rows("by_api_key", "api_key_id"),
+        "periods": periods, "chart": daily_chart_svg(daily), "rate": data.get("rate_usd_per_kwh"),
+        "methods": ", ".join(methods), "by_model": rows("by_model", "model"),
+        "by_member": rows("by_member", "member"), "by_key": rows("by_api_key", "api_key_id"),
     }

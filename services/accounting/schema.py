@@ -1,0 +1,291 @@
+"""The ledger's tables, views and rollup statements (documented table by table in docs/accounting.md).
+
+Raw tables hold what arrived (deduplicated by message identity); derived tables are recomputed from
+them, so a late or duplicate message can always be replayed into the same result. Energy is stored in
+joules and shown in kWh (J / 3.6e6). A NULL energy means "not measured", never 0.
+"""
+
+from __future__ import annotations
+
+TABLES = """
+CREATE TABLE IF NOT EXISTS requests (
+    request_id      VARCHAR PRIMARY KEY,
+    ts              TIMESTAMPTZ NOT NULL,
+    gateway_id      VARCHAR NOT NULL,
+    gateway_session VARCHAR NOT NULL,
+    gateway_seq     BIGINT NOT NULL,
+    model           VARCHAR NOT NULL,
+    pool            VARCHAR NOT NULL,
+    member          VARCHAR,
+    worker_id       VARCHAR,
+    api_key_id      VARCHAR,
+    endpoint        VARCHAR,
+    stream          BOOLEAN,
+    status          VARCHAR NOT NULL,
+    http_status     INTEGER,
+    finish_reason   VARCHAR,
+    error_code      VARCHAR,
+    prompt_tokens   BIGINT NOT NULL,
+    cached_tokens   BIGINT NOT NULL,
+    output_tokens   BIGINT NOT NULL,
+    ttft_ms         DOUBLE,
+    latency_ms      DOUBLE,
+    routing_reason  VARCHAR,
+    ingested_at     TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS sample_log (
+    worker_id   VARCHAR NOT NULL,
+    session_id  VARCHAR NOT NULL,
+    seq         BIGINT NOT NULL,
+    ts          TIMESTAMPTZ NOT NULL,
+    model_id    VARCHAR NOT NULL,
+    ingested_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    PRIMARY KEY (worker_id, session_id, seq)
+);
+CREATE TABLE IF NOT EXISTS energy_samples (
+    worker_id    VARCHAR NOT NULL,
+    session_id   VARCHAR NOT NULL,
+    seq          BIGINT NOT NULL,
+    device_id    VARCHAR NOT NULL,
+    ts           TIMESTAMPTZ NOT NULL,
+    kind         VARCHAR NOT NULL,
+    method       VARCHAR NOT NULL,
+    energy_mj    BIGINT,
+    max_range_mj BIGINT,
+    power_mw     BIGINT,
+    PRIMARY KEY (worker_id, session_id, seq, device_id)
+);
+CREATE TABLE IF NOT EXISTS sample_tokens (
+    worker_id     VARCHAR NOT NULL,
+    session_id    VARCHAR NOT NULL,
+    seq           BIGINT NOT NULL,
+    request_id    VARCHAR NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    output_tokens BIGINT NOT NULL,
+    PRIMARY KEY (worker_id, session_id, seq, request_id)
+);
+CREATE TABLE IF NOT EXISTS energy_intervals (
+    worker_id      VARCHAR NOT NULL,
+    session_id     VARCHAR NOT NULL,
+    device_id      VARCHAR NOT NULL,
+    start_seq      BIGINT NOT NULL,
+    end_seq        BIGINT NOT NULL,
+    start_ts       TIMESTAMPTZ NOT NULL,
+    end_ts         TIMESTAMPTZ NOT NULL,
+    model_id       VARCHAR NOT NULL,
+    kind           VARCHAR NOT NULL,
+    method         VARCHAR NOT NULL,
+    energy_j       DOUBLE,
+    device_s       DOUBLE NOT NULL,
+    is_reset       BOOLEAN NOT NULL,
+    is_wrap        BOOLEAN NOT NULL,
+    is_gap         BOOLEAN NOT NULL,
+    is_implausible BOOLEAN NOT NULL,
+    prompt_tokens  BIGINT NOT NULL,
+    output_tokens  BIGINT NOT NULL,
+    PRIMARY KEY (worker_id, session_id, device_id, end_seq)
+);
+CREATE TABLE IF NOT EXISTS energy_attribution (
+    worker_id     VARCHAR NOT NULL,
+    session_id    VARCHAR NOT NULL,
+    device_id     VARCHAR NOT NULL,
+    end_seq       BIGINT NOT NULL,
+    start_ts      TIMESTAMPTZ NOT NULL,
+    end_ts        TIMESTAMPTZ NOT NULL,
+    model_id      VARCHAR NOT NULL,
+    method        VARCHAR NOT NULL,
+    request_id    VARCHAR,            -- NULL: the idle share, which belongs to the engine/model
+    energy_j      DOUBLE NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    output_tokens BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS parked (
+    stream     VARCHAR NOT NULL,
+    subject    VARCHAR NOT NULL,
+    stream_seq BIGINT,
+    reason     VARCHAR NOT NULL,
+    payload    BLOB,
+    parked_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS tariff (
+    effective_from TIMESTAMPTZ PRIMARY KEY,
+    usd_per_kwh    DOUBLE NOT NULL,
+    source         VARCHAR NOT NULL
+);
+CREATE TABLE IF NOT EXISTS price_book (
+    model_id         VARCHAR PRIMARY KEY,  -- '*' applies to models without a row of their own
+    prompt_usd_per_m DOUBLE NOT NULL,
+    cached_usd_per_m DOUBLE NOT NULL,
+    output_usd_per_m DOUBLE NOT NULL,
+    updated_at       TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS rollup_dirty (hour TIMESTAMPTZ PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS energy_hourly (
+    hour TIMESTAMPTZ NOT NULL, worker_id VARCHAR NOT NULL, model_id VARCHAR NOT NULL, method VARCHAR NOT NULL,
+    measured_j DOUBLE, estimated_j DOUBLE, busy_j DOUBLE, idle_j DOUBLE, busy_output_tokens DOUBLE,
+    device_s DOUBLE NOT NULL, covered_s DOUBLE NOT NULL, energy_usd DOUBLE,
+    num_intervals BIGINT NOT NULL, num_reset BIGINT NOT NULL, num_wrap BIGINT NOT NULL, num_gap BIGINT NOT NULL,
+    num_implausible BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS energy_daily (
+    day DATE NOT NULL, worker_id VARCHAR NOT NULL, model_id VARCHAR NOT NULL, method VARCHAR NOT NULL,
+    measured_j DOUBLE, estimated_j DOUBLE, busy_j DOUBLE, idle_j DOUBLE, busy_output_tokens DOUBLE,
+    device_s DOUBLE NOT NULL, covered_s DOUBLE NOT NULL, energy_usd DOUBLE,
+    num_intervals BIGINT NOT NULL, num_reset BIGINT NOT NULL, num_wrap BIGINT NOT NULL, num_gap BIGINT NOT NULL,
+    num_implausible BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS key_energy_hourly (
+    hour TIMESTAMPTZ NOT NULL, worker_id VARCHAR NOT NULL, model_id VARCHAR NOT NULL, pool VARCHAR,
+    api_key_id VARCHAR, busy_j DOUBLE, estimated_j DOUBLE, output_tokens DOUBLE NOT NULL, energy_usd DOUBLE
+);
+CREATE TABLE IF NOT EXISTS key_energy_daily (
+    day DATE NOT NULL, worker_id VARCHAR NOT NULL, model_id VARCHAR NOT NULL, pool VARCHAR,
+    api_key_id VARCHAR, busy_j DOUBLE, estimated_j DOUBLE, output_tokens DOUBLE NOT NULL, energy_usd DOUBLE
+);
+CREATE TABLE IF NOT EXISTS usage_hourly (
+    hour TIMESTAMPTZ NOT NULL, model VARCHAR NOT NULL, pool VARCHAR NOT NULL, worker_id VARCHAR,
+    api_key_id VARCHAR, status VARCHAR NOT NULL, num_requests BIGINT NOT NULL, prompt_tokens BIGINT NOT NULL,
+    cached_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS usage_daily (
+    day DATE NOT NULL, model VARCHAR NOT NULL, pool VARCHAR NOT NULL, worker_id VARCHAR,
+    api_key_id VARCHAR, status VARCHAR NOT NULL, num_requests BIGINT NOT NULL, prompt_tokens BIGINT NOT NULL,
+    cached_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL
+);
+"""
+
+# Query-time views for operators: kWh and $ next to their coverage. List-price value uses the current
+# price book (a model without its own row takes the '*' row).
+VIEWS = """
+CREATE OR REPLACE VIEW daily_energy AS
+SELECT day, worker_id, model_id,
+       sum(measured_j) / 3.6e6 AS kwh,
+       sum(energy_usd) AS energy_usd,
+       sum(estimated_j) / 3.6e6 AS estimated_kwh,
+       sum(busy_j) / 3.6e6 AS busy_kwh,
+       sum(idle_j) / 3.6e6 AS idle_kwh,
+       sum(busy_j) / nullif(sum(busy_output_tokens), 0) AS j_per_output_token,
+       100.0 * sum(covered_s) / nullif(sum(device_s), 0) AS coverage_pct,
+       list(DISTINCT method ORDER BY method) AS methods,
+       sum(num_reset) AS num_reset, sum(num_wrap) AS num_wrap, sum(num_gap) AS num_gap,
+       sum(num_implausible) AS num_implausible
+FROM energy_daily GROUP BY ALL;
+
+CREATE OR REPLACE VIEW daily_usage AS
+SELECT u.day, u.model, u.pool, u.worker_id, u.api_key_id,
+       sum(u.num_requests) AS num_requests, sum(u.prompt_tokens) AS prompt_tokens,
+       sum(u.cached_tokens) AS cached_tokens, sum(u.output_tokens) AS output_tokens,
+       sum(((u.prompt_tokens - u.cached_tokens) * coalesce(p.prompt_usd_per_m, d.prompt_usd_per_m)
+            + u.cached_tokens * coalesce(p.cached_usd_per_m, d.cached_usd_per_m)
+            + u.output_tokens * coalesce(p.output_usd_per_m, d.output_usd_per_m)) / 1e6) AS list_value_usd
+FROM usage_daily u
+LEFT JOIN price_book p ON p.model_id = u.model
+LEFT JOIN price_book d ON d.model_id = '*'
+GROUP BY ALL;
+
+CREATE OR REPLACE VIEW daily_key_energy AS
+SELECT day, pool, api_key_id, model_id, sum(busy_j) / 3.6e6 AS busy_kwh, sum(energy_usd) AS energy_usd,
+       sum(busy_j) / nullif(sum(output_tokens), 0) AS j_per_output_token
+FROM key_energy_daily GROUP BY ALL;
+
+CREATE OR REPLACE VIEW rolling_30d AS
+SELECT worker_id, model_id,
+       sum(measured_j) / 3.6e6 AS kwh, sum(energy_usd) AS energy_usd,
+       sum(busy_j) / nullif(sum(busy_output_tokens), 0) AS j_per_output_token,
+       100.0 * sum(covered_s) / nullif(sum(device_s), 0) AS coverage_pct
+FROM energy_daily WHERE day > current_date - 30 GROUP BY ALL;
+"""
+
+# One interval split over the UTC hours it overlaps, in proportion to time (an interval of zero or
+# negative length lands whole in the hour of its end). $1, $2: the [lo, hi) range of hours wanted.
+_PIECES = """
+WITH iv AS (
+    SELECT *, epoch(end_ts) - epoch(start_ts) AS dur FROM {table} WHERE end_ts >= $1 AND start_ts < $2
+), pieces AS (
+    SELECT iv.*, h.hour,
+           CASE WHEN dur <= 0 THEN 1.0
+                ELSE (epoch(least(end_ts, h.hour + INTERVAL 1 HOUR)) - epoch(greatest(start_ts, h.hour))) / dur
+           END AS frac
+    FROM iv, LATERAL (
+        SELECT unnest(generate_series(
+            CASE WHEN dur <= 0 THEN date_trunc('hour', end_ts) ELSE date_trunc('hour', start_ts) END,
+            CASE WHEN dur <= 0 THEN date_trunc('hour', end_ts)
+                 ELSE date_trunc('hour', end_ts - INTERVAL 1 MICROSECOND) END,
+            INTERVAL 1 HOUR)) AS hour
+    ) h
+    WHERE h.hour IN (SELECT hour FROM dirty_now)
+)
+"""
+
+# The electricity rate in force at each hour (ASOF: the newest tariff row not after the hour).
+_RATED = """
+, rated AS (
+    SELECT agg.*, t.usd_per_kwh FROM agg ASOF LEFT JOIN tariff t ON agg.hour >= t.effective_from
+)
+"""
+
+REFRESH_ENERGY_HOURLY = _PIECES.format(table="energy_intervals") + """
+, agg AS (
+    SELECT hour, worker_id, model_id, method,
+           sum(energy_j * frac) FILTER (method <> 'estimated') AS measured_j,
+           sum(energy_j * frac) FILTER (method = 'estimated') AS estimated_j,
+           sum(energy_j * frac) FILTER (method <> 'estimated' AND prompt_tokens + output_tokens > 0) AS busy_j,
+           sum(energy_j * frac) FILTER (method <> 'estimated' AND prompt_tokens + output_tokens = 0) AS idle_j,
+           sum(output_tokens * frac) FILTER (method <> 'estimated' AND energy_j IS NOT NULL) AS busy_output_tokens,
+           sum(device_s * frac) AS device_s,
+           coalesce(sum(device_s * frac) FILTER (method <> 'estimated' AND energy_j IS NOT NULL), 0) AS covered_s,
+           count(*) AS num_intervals, count(*) FILTER (is_reset) AS num_reset, count(*) FILTER (is_wrap) AS num_wrap,
+           count(*) FILTER (is_gap) AS num_gap, count(*) FILTER (is_implausible) AS num_implausible
+    FROM pieces GROUP BY ALL
+)""" + _RATED + """
+INSERT INTO energy_hourly
+SELECT hour, worker_id, model_id, method, measured_j, estimated_j, busy_j, idle_j, busy_output_tokens, device_s,
+       covered_s, measured_j / 3.6e6 * usd_per_kwh, num_intervals, num_reset, num_wrap, num_gap, num_implausible
+FROM rated
+"""
+
+REFRESH_KEY_ENERGY_HOURLY = _PIECES.format(table="energy_attribution") + """
+, agg AS (
+    SELECT p.hour, p.worker_id, p.model_id, r.pool, r.api_key_id,
+           sum(p.energy_j * p.frac) FILTER (p.method <> 'estimated') AS busy_j,
+           sum(p.energy_j * p.frac) FILTER (p.method = 'estimated') AS estimated_j,
+           sum(p.output_tokens * p.frac) AS output_tokens
+    FROM pieces p LEFT JOIN requests r USING (request_id)
+    WHERE p.request_id IS NOT NULL
+    GROUP BY ALL
+)""" + _RATED + """
+INSERT INTO key_energy_hourly
+SELECT hour, worker_id, model_id, pool, api_key_id, busy_j, estimated_j, output_tokens, busy_j / 3.6e6 * usd_per_kwh
+FROM rated
+"""
+
+REFRESH_USAGE_HOURLY = """
+INSERT INTO usage_hourly
+SELECT date_trunc('hour', ts) AS hour, model, pool, nullif(coalesce(nullif(worker_id, ''), member), '') AS worker_id,
+       api_key_id,
+       status, count(*), sum(prompt_tokens), sum(cached_tokens), sum(output_tokens)
+FROM requests WHERE ts >= $1 AND ts < $2 AND date_trunc('hour', ts) IN (SELECT hour FROM dirty_now)
+GROUP BY ALL
+"""
+
+REFRESH_DAILY = {
+    "energy_daily": """
+        INSERT INTO energy_daily
+        SELECT hour::DATE AS day, worker_id, model_id, method, sum(measured_j), sum(estimated_j), sum(busy_j),
+               sum(idle_j), sum(busy_output_tokens), sum(device_s), sum(covered_s), sum(energy_usd),
+               sum(num_intervals), sum(num_reset), sum(num_wrap), sum(num_gap), sum(num_implausible)
+        FROM energy_hourly WHERE hour::DATE IN (SELECT day FROM dirty_days) GROUP BY ALL""",
+    "key_energy_daily": """
+        INSERT INTO key_energy_daily
+        SELECT hour::DATE AS day, worker_id, model_id, pool, api_key_id, sum(busy_j), sum(estimated_j),
+               sum(output_tokens), sum(energy_usd)
+        FROM key_energy_hourly WHERE hour::DATE IN (SELECT day FROM dirty_days) GROUP BY ALL""",
+    "usage_daily": """
+        INSERT INTO usage_daily
+        SELECT hour::DATE AS day, model, pool, worker_id, api_key_id, status, sum(num_requests),
+               sum(prompt_tokens), sum(cached_tokens), sum(output_tokens)
+        FROM usage_hourly WHERE hour::DATE IN (SELECT day FROM dirty_days) GROUP BY ALL""",
+}
+
+ROLLUP_TABLES = ("energy_hourly", "energy_daily", "key_energy_hourly", "key_energy_daily", "usage_hourly",
+                 "usage_daily")
