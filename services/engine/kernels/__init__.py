@@ -1,0 +1,31 @@
+"""Triton kernels for the engine's CUDA path, and the torch references they are tested against.
+
+Every kernel here has an oracle in torch: the attention kernels are checked against
+``services.engine.attention.TorchPagedAttention`` (and ``KVCache.write`` for the cache write), the
+elementwise kernels against :mod:`services.engine.kernels.reference`, which follows ``model.py``'s numerics
+op for op. The tests run the kernels on CPU under ``TRITON_INTERPRET=1`` (tests/unit/engine/
+test_triton_kernels.py); ``bench/gpu_bench.py`` repeats the comparison on a GPU at realistic sizes.
+
+Modules (one noun each):
+  backend.py          which backend a device gets ("triton" on CUDA when triton imports, else "torch")
+  reference.py        torch references for the elementwise kernels (pure torch, importable anywhere)
+  kv_write.py         scatter new K/V into cache slots, fp8 quantisation included
+  decode_attention.py split-KV (flash-decoding) paged attention for one-token queries, GQA-grouped
+  extend_attention.py causal attention of a chunk of new tokens over the paged cache (prefill, verify)
+  triton_attention.py TritonPagedAttention: the AttentionBackend built from the three kernels above
+  rms_norm.py         RMSNorm, optionally fused with the residual add
+  rope.py             neox-style rotary embedding from a cos/sin cache, in place on q and k
+  activation.py       SiLU-and-mul (SwiGLU's gate)
+  cuda_graphs.py      batch-size buckets and static buffers for CUDA-graph decode
+
+Importing this package imports neither triton nor the kernels: only ``backend`` and ``reference`` are
+safe where triton is missing. The kernel modules import triton at module import time, so under the
+interpreter ``TRITON_INTERPRET=1`` must be set before they are first imported (triton reads it when
+``@triton.jit`` decorates a function).
+
+Interpreter caveats found with triton 3.9 (why the kernels are written the way they are):
+* arithmetic on bfloat16 values without an explicit upcast is wrong in the interpreter (``x * 2`` on a
+  bf16 load gives garbage), so every kernel loads, upcasts to float32, computes, and casts once on store;
+* the interpreter's float32 -> float8e4nv cast mis-rounds when the rounding carries into the exponent
+  (31.66 -> 16, not 32), so the fp8 tests feed values that are already on the e4m3 grid (see the tests).
+"""
