@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -120,6 +121,56 @@ def serve_null(port: int) -> None:
 
 # --------------------------------------------------------------------------------------------------------------
 # aiohttp fallback load generator (runs in its own process)
+
+
+def serve_rate(url: str, body: str, rate: float, duration: float, headers_json: str) -> None:
+    """Open loop: request i is due at t0 + i/rate whether or not earlier ones finished; its latency runs
+    from when it was due (so a stall is charged to every request it delayed: no coordinated omission)."""
+    import asyncio
+
+    import aiohttp
+
+    headers = {"Content-Type": "application/json", **json.loads(headers_json)}
+    data = body.encode()
+
+    async def main() -> None:
+        lat: list[float] = []
+        errors = 0
+        total = int(rate * duration)
+        conn = aiohttp.TCPConnector(limit=512)
+        async with aiohttp.ClientSession(connector=conn) as session:
+            async def one(due: float) -> None:
+                nonlocal errors
+                try:
+                    async with session.post(url, data=data, headers=headers) as resp:
+                        await resp.read()
+                        ok = resp.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if ok:
+                    lat.append((time.perf_counter() - due) * 1e6)
+                else:
+                    errors += 1
+
+            tasks = []
+            t0 = time.perf_counter() + 0.05
+            for i in range(total):
+                due = t0 + i / rate
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(due)))
+            await asyncio.gather(*tasks)
+            elapsed = time.perf_counter() - t0
+        lat.sort()
+
+        def pct(q: float) -> float:
+            return lat[min(len(lat) - 1, int(q / 100 * len(lat)))] if lat else float("nan")
+
+        print("RESULT " + json.dumps({"requests": total, "duration_s": elapsed, "errors": errors,
+                                      "p50_us": pct(50), "p99_us": pct(99)}), flush=True)
+
+    asyncio.run(main())
 
 
 def serve_load(url: str, body: str, concurrency: int, duration: float, headers_json: str) -> None:
@@ -314,6 +365,19 @@ def run_load(tool: str, url: str, stream: bool, concurrency: int, duration: int,
     return r["requests"], r["duration_s"], r["errors"], r["p50_us"], r["p99_us"]
 
 
+def run_rate(url: str, stream: bool, rate: float, duration: int, headers: dict[str, str]) -> Cell:
+    """One open-loop fixed-rate run (its own process, so its CPU is not the gateway's)."""
+    out = subprocess.run([PY, __file__, "--serve-rate", url, json.dumps(request_body(stream)), str(rate),
+                          str(duration), json.dumps(headers)], capture_output=True, text=True,
+                         timeout=duration + 120, cwd=REPO)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"rate generator failed: {out.stdout}\n{out.stderr}")
+    r = json.loads(line[7:])
+    return Cell("", stream, 0, (r["requests"] - r["errors"]) / r["duration_s"], r["p50_us"] / 1000,
+                r["p99_us"] / 1000, r["errors"], r["requests"])
+
+
 def check_target(name: str, base: str, headers: dict[str, str]) -> None:
     """One request of each mode, checked, before any timing (a broken path must not look fast)."""
     status, raw = http_post(base + "/v1/chat/completions", request_body(False), headers)
@@ -388,9 +452,16 @@ def main() -> None:
     ap.add_argument("--load", choices=["auto", "wrk", "aiohttp"], default="auto")
     ap.add_argument("--serve-null", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--serve-load", nargs=5, metavar="X", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-rate", nargs=5, metavar="X", help=argparse.SUPPRESS)
+    ap.add_argument("--rate", type=float, default=1000.0,
+                    help="open-loop rate for the fixed-rate cells (req/s; default 1000; 0 skips them)")
     args = ap.parse_args()
     if args.serve_null is not None:
         serve_null(args.serve_null)
+        return
+    if args.serve_rate:
+        url, body, rate, dur, hdrs = args.serve_rate
+        serve_rate(url, body, float(rate), float(dur), hdrs)
         return
     if args.serve_load:
         url, body, conc, dur, hdrs = args.serve_load
@@ -413,8 +484,9 @@ def main() -> None:
         signal.signal(sig, lambda *_: sys.exit(143))
 
     procs: list[Proc] = []
-    notes: list[str] = []
     cells: list[Cell] = []
+    rate_cells: list[Cell] = []
+    notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="gw-overhead-") as tmp:
         work = Path(tmp)
         try:
@@ -472,11 +544,36 @@ def main() -> None:
                 reqs, secs, errors, p50, p99 = run_load(tool, url, stream, conc, duration, hdrs, work)
                 cells.append(Cell(name, stream, conc, (reqs - errors) / secs, p50 / 1000, p99 / 1000, errors, reqs))
             bar.close()
+            if args.rate > 0:  # the issue's latency target is stated at a fixed offered rate
+                rate_plan = [(t, s) for t in targets[:2] for s in (False, True)]
+                for (name, base, hdrs), stream in tqdm(rate_plan, desc=f"{args.rate:g} req/s cells", unit="cell"):
+                    cell = run_rate(base + "/v1/chat/completions", stream, args.rate, duration, hdrs)
+                    rate_cells.append(dataclasses.replace(cell, target=name))
         finally:
             for proc in reversed(procs):
                 proc.close()
 
     report(cells, notes, tool, duration, concurrencies)
+    report_rate(rate_cells, args.rate)
+
+
+def report_rate(cells: list[Cell], rate: float) -> None:
+    if not cells:
+        return
+    by = {(c.target, c.stream): c for c in cells}
+    print()
+    print(f"Open loop at {rate:g} req/s offered (latency from each request's due time: no coordinated omission):")
+    print()
+    print("| target | mode | offered req/s | served req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | errors |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in cells:
+        d = by.get(("direct", c.stream))
+        if c.target == "direct" or d is None:
+            a50 = a99 = "—"
+        else:
+            a50, a99 = f"{c.p50_ms - d.p50_ms:.2f}", f"{c.p99_ms - d.p99_ms:.2f}"
+        print(f"| {c.target} | {'stream' if c.stream else 'json'} | {rate:,.0f} | {c.rps:,.0f} | "
+              f"{pct_fmt(c.p50_ms)} | {pct_fmt(c.p99_ms)} | {a50} | {a99} | {c.errors} |")
 
 
 def report(cells: list[Cell], notes: list[str], tool: str, duration: int, concurrencies: list[int]) -> None:
