@@ -80,6 +80,10 @@ class Timings(_Msg):
     predicted_ms: float = 0.0
     queue_ms: float = 0.0
     ttft_ms: float | None = None
+    # Speculative decoding (llama.cpp's names): draft tokens proposed for this request, and how many of
+    # them the target model accepted. 0 when the engine does not speculate.
+    draft_n: int = 0
+    draft_n_accepted: int = 0
 
 
 class ErrorInfo(_Msg):

@@ -2,7 +2,9 @@
 the telemetry endpoints over HTTP, and with ``--nats`` (or ``NATS_URL``) join the bus as a worker.
 
 Accepts the runbook's command line verbatim (shared/reference/interop.md). Flags whose feature is not
-built yet stop the start with a message saying so; none is silently ignored.
+built yet stop the start with a message saying so; none is silently ignored: ``--spec mtp`` (MTP heads
+are not implemented) fails at start naming the alternatives, ``--spec ngram`` and ``--spec draft
+--draft-model PATH`` serve.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ from services.engine.energy import detect_meter
 from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.errors import EngineError
 from services.engine.service import EngineService, ServeConfig, http_site
+from services.engine.spec_decode import (
+    DEFAULT_DRAFT_TOKENS,
+    MAX_DRAFT_TOKENS,
+    MIN_DRAFT_TOKENS,
+    SPEC_METHODS,
+    SpecConfig,
+)
 from services.engine.worker import BusWorker, WorkerConfig
 
 log = logging.getLogger("ninfer.serve")
@@ -45,10 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=8, help="lanes: requests running at once")
     parser.add_argument("--max-pending-requests", type=int, default=64, help="bounded waiting queue")
     parser.add_argument("--kv-capacity", type=int, help="KV cache size in tokens (default: from free memory)")
-    parser.add_argument("--spec", choices=["none", "ngram", "draft", "mtp"], default="none",
-                        help="speculative decoding method")
-    parser.add_argument("--draft-tokens", type=int, help="draft tokens per speculative step (1..15)")
-    parser.add_argument("--lm-head-draft", action="store_true", help="share the main LM head for draft logits")
+    parser.add_argument("--spec", choices=list(SPEC_METHODS), default="none",
+                        help="speculative decoding: ngram (prompt lookup), draft (--draft-model), mtp (the "
+                             "checkpoint's MTP heads: not implemented, refused at start)")
+    parser.add_argument("--draft-model", type=Path,
+                        help="draft checkpoint for --spec draft (smaller, same tokenizer as the model)")
+    parser.add_argument("--draft-tokens", type=int,
+                        help=f"draft tokens per speculative step ({MIN_DRAFT_TOKENS}..{MAX_DRAFT_TOKENS}, "
+                             f"default {DEFAULT_DRAFT_TOKENS})")
+    parser.add_argument("--lm-head-draft", action="store_true",
+                        help="draft logits through the main model's LM head (--spec draft or mtp)")
     parser.add_argument("--preserve-thinking", action="store_true",
                         help="keep <think> blocks of earlier assistant turns in the prompt")
     parser.add_argument("--electricity-rate", type=float, default=0.125, help="USD per kWh for /usage costs")
@@ -64,10 +79,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--energy-interval", type=float, default=5.0, help="seconds between energy samples")
 
 
+def build_spec_config(args: argparse.Namespace) -> SpecConfig:
+    """The speculative-decoding settings; a bad combination names its flag (ConfigError)."""
+    if args.spec == "none":
+        for flag, given in (("draft-tokens", args.draft_tokens is not None), ("draft-model", args.draft_model),
+                            ("lm-head-draft", args.lm_head_draft)):
+            if given:
+                raise ConfigError(flag, "speculative decoding is off: add --spec ngram|draft|mtp")
+    k = DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens
+    if not MIN_DRAFT_TOKENS <= k <= MAX_DRAFT_TOKENS:
+        raise ConfigError("draft-tokens", f"speculative decoding takes {MIN_DRAFT_TOKENS}..{MAX_DRAFT_TOKENS} "
+                                          f"draft tokens, got {k}")
+    if args.spec == "draft" and args.draft_model is None:
+        raise ConfigError("draft-model", "speculative decoding with --spec draft needs --draft-model PATH")
+    if args.spec != "draft" and args.draft_model is not None:
+        raise ConfigError("draft-model", f"speculative decoding uses --draft-model only with --spec draft, "
+                                         f"not --spec {args.spec}")
+    if args.spec == "ngram" and args.lm_head_draft:
+        raise ConfigError("lm-head-draft", "speculative decoding with --spec ngram has no draft logits: "
+                                           "--lm-head-draft applies to --spec draft or mtp")
+    return SpecConfig(method=args.spec, num_draft_tokens=k, draft_model_path=args.draft_model,
+                      lm_head_draft=args.lm_head_draft)
+
+
 def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, WorkerConfig]:
-    if args.spec != "none" or args.draft_tokens is not None or args.lm_head_draft:
-        raise ConfigError("spec", "speculative decoding (--spec/--draft-tokens/--lm-head-draft) is not built "
-                                  "yet (issue #11): start without these flags")
+    spec = build_spec_config(args)
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ConfigError("device", f"expected cpu or cuda[:N], got {args.device!r}")
     for key, low in (("max_concurrency", 1), ("max_pending_requests", 0), ("max_context", 1), ("kv_capacity", 1)):
@@ -98,7 +134,7 @@ def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, W
         model_path=path, model_id=model_id, dtype=args.dtype, device=args.device, kv_dtype=args.kv_dtype,
         kv_capacity_tokens=args.kv_capacity, max_concurrency=args.max_concurrency,
         max_pending_requests=args.max_pending_requests, max_context=args.max_context,
-        preserve_thinking=args.preserve_thinking,
+        preserve_thinking=args.preserve_thinking, spec=spec,
     )
     serve = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                         electricity_rate_usd_per_kwh=args.electricity_rate, metrics_state=args.metrics_state,

@@ -109,6 +109,7 @@ class BlockPool:
     2. ``pool.allocate_slots(request, num_new_tokens, blocks)`` — room for the tokens to compute this
        step; ``False`` (nothing changed) when the free blocks do not suffice;
     3. after the step advances ``request.num_computed_tokens``: ``pool.cache_full_blocks(request)``;
+       after a speculative step that rejected draft tokens, ``pool.free_unused_blocks(request)`` first;
     4. ``pool.free(request)`` when it finishes, aborts or is preempted.
     """
 
@@ -187,6 +188,10 @@ class BlockPool:
 
     def is_cached(self, block_id: int) -> bool:
         return self._blocks[block_id].is_cached
+
+    def cached_token_ids(self, block_id: int) -> tuple[int, ...] | None:
+        """The token ids a block is registered under in the prefix cache, or None if it is not cached."""
+        return self._blocks[block_id].token_ids
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` token slots."""
@@ -320,6 +325,32 @@ class BlockPool:
             self._uncache(blk)
             self.num_evictions += 1
         return blk
+
+    def free_unused_blocks(self, request: Request) -> int:
+        """Release the request's blocks past the ones its ``num_computed_tokens`` need; return how many.
+
+        Speculative decoding allocates slots for ``K`` draft tokens ahead; when some are rejected, the
+        step rolls ``num_computed_tokens`` back to the accepted point and the blocks that held only
+        rejected positions come back here. Such blocks were never registered in the prefix cache
+        (:meth:`cache_full_blocks` only registers blocks below ``num_computed_tokens``), and the stale
+        K/V left in the kept block's tail sits past ``num_computed_tokens``, where the next step
+        overwrites it before any attention reads it. Afterwards the request holds exactly
+        ``num_blocks_needed(num_computed_tokens)`` blocks, as after a plain decode step.
+        """
+        blocks = self._req_blocks.get(request.request_id)
+        if blocks is None:
+            return 0
+        keep = self.num_blocks_needed(request.num_computed_tokens)
+        num_released = 0
+        while len(blocks) > keep:
+            blk = blocks.pop()
+            request.block_ids.pop()
+            assert blk.ref_cnt == 1 and not blk.is_cached, f"block {blk.block_id} past the computed tokens is shared"
+            blk.ref_cnt = 0
+            self._free[blk.block_id] = blk
+            self._free.move_to_end(blk.block_id, last=False)  # uncached: reused first, evicts nothing
+            num_released += 1
+        return num_released
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (finish, abort or preemption). Idempotent."""

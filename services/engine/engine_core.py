@@ -5,6 +5,11 @@ offline :class:`llm.LLM`). Each :meth:`EngineCore.step` plans a batch (scheduler
 samples one token per sequence that reached its last known token (sampler), then detokenizes and
 checks stop strings, and returns what each request produced as :class:`RequestOutput` values.
 The clock is passed in (``now`` callables), so tests can drive it.
+
+With speculative decoding on (``EngineConfig.spec``, see :mod:`spec_decode`), a step also verifies the
+draft tokens scheduled with it (:mod:`rejection_sampler`), may emit several tokens per request (cut at
+EOS, ``max_tokens`` and stop strings exactly where one-token decoding would stop), and ends by proposing
+the next drafts for every caught-up request. With it off, the step is the plain path unchanged.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ from typing import Literal
 import torch
 
 from services.engine.attention import KVCache, KVCacheSpec
+from services.engine.draft_model import DraftModelProposer, DraftTarget
 from services.engine.errors import EngineError, InvalidParameterError
 from services.engine.loader import load_model
 from services.engine.model_runner import ModelRunner
+from services.engine.rejection_sampler import verify_greedy, verify_random
 from services.engine.request import Request
-from services.engine.sampler import Sampler
+from services.engine.sampler import Sampler, sampling_probs
 from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
+from services.engine.spec_decode import SpecConfig, SpecDecodeCounters, SpecDecodeStats, check_mtp, propose_ngram
 from services.engine.stop_checker import StopChecker
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -56,6 +64,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preserve_thinking: bool = False
     torch_threads: int | None = None
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +89,9 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     timings: RequestTimings | None = None
+    # Speculative decoding, so far for this request: draft tokens proposed, and accepted by the target.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -101,6 +113,7 @@ class EngineSnapshot:
     output_tokens_total: int
     prefill_tok_per_s: float
     decode_tok_per_s: float
+    spec: SpecDecodeStats | None = None  # None when the engine does not speculate
 
 
 @dataclass
@@ -150,6 +163,9 @@ def free_memory_bytes(device: torch.device) -> int:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        spec_config = config.spec.validate()
+        if spec_config.method == "mtp":
+            check_mtp(Path(config.model_path))  # always raises: MTP heads are not implemented
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.device = torch.device(config.device)
@@ -199,6 +215,22 @@ class EngineCore:
         self.admitted_by_source: collections.Counter[str] = collections.Counter()
         self.prompt_tokens_total = 0
         self.output_tokens_total = 0
+        self.spec_config = spec_config
+        self.spec_counters: SpecDecodeCounters | None = None
+        self.drafter: DraftModelProposer | None = None
+        # Draft distributions of pending model drafts of sampled requests, by request id.
+        self._draft_probs: dict[str, torch.Tensor] = {}
+        if spec_config.is_enabled:
+            self.spec_counters = SpecDecodeCounters(spec_config.method, spec_config.num_draft_tokens)
+        if spec_config.method == "draft":
+            assert spec_config.draft_model_path is not None  # validate() checked
+            self.drafter = DraftModelProposer(
+                Path(spec_config.draft_model_path), target=self.model, target_config=self.model_config,
+                target_tokenizer=self.tokenizer, num_draft_tokens=spec_config.num_draft_tokens,
+                num_target_blocks=self.kv_cache.num_blocks, block_size=config.block_size,
+                max_concurrency=config.max_concurrency, max_context=self.max_context, kv_dtype=config.kv_dtype,
+                lm_head_draft=spec_config.lm_head_draft, device=self.device,
+            )
 
     # ---- intake -------------------------------------------------------------------------------------
 
@@ -249,6 +281,10 @@ class EngineCore:
         if plan.is_empty:
             return []
         logits = self.runner.run(plan.scheduled)
+        if self.spec_counters is not None:
+            outputs = self._speculative_step(plan, logits, now)
+            self._propose_drafts()
+            return outputs
         sampled_seqs = [s for s in plan.scheduled if s.needs_logits]
         requests = [self.scheduler.get_request(s.request_id) for s in sampled_seqs]
         params = [r.sampling_params for r in requests if r is not None]
@@ -281,6 +317,143 @@ class EngineCore:
             del self._states[request.request_id]
         return self._output(request, text, (token_id,), now)
 
+    # ---- speculative decoding ------------------------------------------------------------------------
+
+    def _speculative_step(self, plan: SchedulerOutput, logits: torch.Tensor,
+                          now: Callable[[], float]) -> list[RequestOutput]:
+        """The step's sampling and bookkeeping when drafts may be in it (logits: 1 + k rows per seq)."""
+        plain_rows: list[int] = []
+        plain_ids: list[str] = []
+        spec_seqs = []
+        row = 0
+        for seq in plan.scheduled:
+            if not seq.needs_logits:
+                continue
+            if seq.num_draft_tokens:
+                spec_seqs.append((seq, row))
+                row += 1 + seq.num_draft_tokens
+            else:
+                plain_rows.append(row)
+                plain_ids.append(seq.request_id)
+                row += 1
+        sampled: dict[str, int] = {}
+        if plain_ids:
+            requests = [self.scheduler.get_request(rid) for rid in plain_ids]
+            params = [r.sampling_params for r in requests if r is not None]
+            generators = [self._states[r.request_id].generator for r in requests if r is not None]
+            plain_logits = logits if len(plain_rows) == row else logits[plain_rows]
+            token_ids, _logprobs = self.sampler.sample(plain_logits, params, generators)
+            sampled = dict(zip(plain_ids, token_ids, strict=True))
+        accepted: dict[str, list[int]] = {}
+        scans: dict[str, tuple[str, bool]] = {}
+        for seq, first_row in spec_seqs:
+            request = self.scheduler.get_request(seq.request_id)
+            assert request is not None
+            tokens = self._verify(request, seq.token_ids[-seq.num_draft_tokens:],
+                                  logits[first_row : first_row + 1 + seq.num_draft_tokens])
+            num_kept, reason = Scheduler.num_tokens_until_stop(request, tokens)
+            tokens = tokens[:num_kept]
+            num_kept, text, is_stopped = self._scan_run(request, tokens, skip_last=reason == "stop")
+            accepted[seq.request_id] = tokens[:num_kept]
+            scans[seq.request_id] = (text, is_stopped)
+        t = now()
+        updated = self.scheduler.update_from_output(plan, sampled, t, accepted)
+        num_extra = sum(len(run) - 1 for run in accepted.values())
+        self._throughput.add(t, plan.num_prefill_tokens, plan.num_decode_tokens + num_extra)
+        outputs = []
+        for request in updated:
+            rid = request.request_id
+            if rid in accepted:
+                text, is_stopped = scans[rid]
+                outputs.append(self._emit_run(request, accepted[rid], text, is_stopped, t))
+            elif rid in sampled:
+                outputs.append(self._emit(request, sampled[rid], t))
+        return outputs
+
+    def _verify(self, request: Request, drafts: Sequence[int], logits: torch.Tensor) -> list[int]:
+        """Accepted drafts + the target's next token for one request; updates the counters."""
+        params = request.sampling_params
+        draft_probs = self._draft_probs.pop(request.request_id, None)
+        if params.is_greedy:
+            tokens = verify_greedy(logits, drafts)
+        else:
+            q = None if draft_probs is None else draft_probs[: len(drafts)]
+            tokens = verify_random(sampling_probs(logits, params), drafts, q,
+                                   self._states[request.request_id].generator)
+        assert self.spec_counters is not None
+        self.spec_counters.record(len(drafts), len(tokens) - 1)
+        request.num_draft_tokens += len(drafts)
+        request.num_accepted_draft_tokens += len(tokens) - 1
+        return tokens
+
+    def _scan_run(self, request: Request, tokens: Sequence[int], skip_last: bool) -> tuple[int, str, bool]:
+        """Detokenize an accepted run and scan it for stop strings, token by token, as one-token steps
+        would: ``(tokens to keep, text to emit, stopped by a stop string)``. ``skip_last``: the last
+        token is a stop token id (EOS …), which is not detokenized (as in :meth:`_emit`)."""
+        state = self._states[request.request_id]
+        text = ""
+        for i, token_id in enumerate(tokens):
+            is_last = i == len(tokens) - 1
+            delta = "" if is_last and skip_last else state.detokenizer.push(token_id)
+            scan = state.stop_checker.feed(delta)
+            text += scan.text_to_emit
+            if scan.is_stopped:
+                return i + 1, text, True
+        return len(tokens), text, False
+
+    def _emit_run(self, request: Request, tokens: Sequence[int], text: str, is_stopped: bool,
+                  now: float) -> RequestOutput:
+        """:meth:`_emit` for a run already detokenized and scanned by :meth:`_scan_run`."""
+        state = self._states[request.request_id]
+        self.output_tokens_total += len(tokens)
+        if is_stopped and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, "stop", now)
+        if request.is_finished:
+            if not is_stopped:
+                text += state.stop_checker.feed(state.detokenizer.flush()).text_to_emit
+                text += state.stop_checker.flush()
+            del self._states[request.request_id]
+        return self._output(request, text, tuple(tokens), now)
+
+    def _propose_drafts(self) -> None:
+        """Give every caught-up running request (one token short of its KV) drafts for the next step."""
+        spec = self.spec_config
+        running = self.scheduler.running
+        live = {r.request_id for r in running}
+        for rid in [r for r in self._draft_probs if r not in live]:
+            del self._draft_probs[rid]
+        if self.drafter is not None:
+            self.drafter.release_except(live)
+        wanted: list[tuple[Request, int]] = []
+        for request in running:
+            if request.spec_token_ids or request.num_output_tokens == 0:
+                continue  # drafts still pending (not scheduled last step), or still prefilling
+            if request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            # The step verifying k drafts may append k + 1 tokens: never plan past max_tokens.
+            k = min(spec.num_draft_tokens, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+            if k > 0:
+                wanted.append((request, k))
+        if not wanted:
+            return
+        if self.drafter is None:
+            for request, k in wanted:
+                request.spec_token_ids = propose_ngram(request.all_token_ids, k, spec.ngram_max, spec.ngram_min)
+            return
+        proposals = self.drafter.propose([
+            DraftTarget(request.request_id, request.all_token_ids, k, request.sampling_params,
+                        self._states[request.request_id].generator)
+            for request, k in wanted
+        ])
+        for request, _k in wanted:
+            proposal = proposals.get(request.request_id)
+            self._draft_probs.pop(request.request_id, None)
+            if proposal is None:
+                continue
+            request.spec_token_ids = proposal.token_ids
+            if proposal.probs is not None:
+                self._draft_probs[request.request_id] = proposal.probs
+
     def _output(self, request: Request, text: str, token_ids: tuple[int, ...], now: float) -> RequestOutput:
         timings = None
         if request.is_finished:
@@ -298,6 +471,7 @@ class EngineCore:
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_prompt_tokens or 0,
             num_output_tokens=request.num_output_tokens, timings=timings,
+            num_draft_tokens=request.num_draft_tokens, num_accepted_draft_tokens=request.num_accepted_draft_tokens,
         )
 
     # ---- telemetry ---------------------------------------------------------------------------------
@@ -310,6 +484,7 @@ class EngineCore:
             kv_capacity_tokens=self.kv_capacity_tokens, admitted_total=self.admitted_total,
             admitted_by_source=dict(self.admitted_by_source), prompt_tokens_total=self.prompt_tokens_total,
             output_tokens_total=self.output_tokens_total, prefill_tok_per_s=prefill, decode_tok_per_s=decode,
+            spec=self.spec_counters.snapshot() if self.spec_counters is not None else None,
         )
 
     def describe(self) -> str:
@@ -321,5 +496,15 @@ class EngineCore:
             f"free {where} {gib:.1f} GiB; KV capacity {self.kv_capacity_tokens} tokens "
             f"({self.config.kv_dtype}, {math.ceil(self.kv_cache.nbytes / 2**20)} MiB); "
             f"lanes {self.config.max_concurrency}; queue {self.config.max_pending_requests}; "
-            f"max context {self.max_context}"
+            f"max context {self.max_context}{self._describe_spec()}"
         )
+
+    def _describe_spec(self) -> str:
+        spec = self.spec_config
+        if not spec.is_enabled:
+            return ""
+        what = f"; speculative decoding {spec.method}, {spec.num_draft_tokens} draft tokens"
+        if self.drafter is not None:
+            what += (f" from {spec.draft_model_path} ({self.drafter.num_params / 1e6:.1f}M params"
+                     f"{', target LM head' if spec.lm_head_draft else ''})")
+        return what

@@ -7,6 +7,7 @@ messages::
     EngineError                       base; ``message`` is the one-line, user-presentable text
     ├── ModelLoadError                a checkpoint directory cannot be used (``path``, ``reason``)
     │   └── UnsupportedArchitectureError   config.json names a model family we do not implement
+    ├── SpeculativeDecodingError      the speculative-decoding settings cannot be served (``reason``)
     └── ChatTemplateError (ValueError) the chat template failed to render for these messages
 
 Errors that are programming mistakes inside the engine (a block table shorter than its sequence, say)
@@ -107,3 +108,12 @@ class DuplicateRequestError(EngineError):
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request id {request_id!r} is already in use")
         self.request_id = request_id
+
+
+class SpeculativeDecodingError(EngineError):
+    """The speculative-decoding configuration cannot be served (bad K, a draft model that does not fit
+    the target, ``--spec mtp`` on a checkpoint without MTP weights …). Raised at start, never per request."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"speculative decoding: {reason}")
+        self.reason = reason

@@ -70,6 +70,14 @@ def load_model(
     return model.eval(), config
 
 
+def checkpoint_tensor_names(path: str | Path) -> set[str]:
+    """Names of every tensor in the checkpoint at ``path`` (headers only, no tensor is read)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelLoadError(str(root), "directory does not exist")
+    return set(_tensor_files(root))
+
+
 def _resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig, root: Path) -> torch.dtype:
     if dtype is None:
         return config.dtype

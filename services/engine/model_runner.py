@@ -30,6 +30,8 @@ class StepSeq(Protocol):
     def block_table(self) -> Sequence[int]: ...  # covers positions 0 .. start_pos + len(token_ids) - 1
     @property
     def needs_logits(self) -> bool: ...  # this chunk ends at the last known token: sample from it
+    @property
+    def num_draft_tokens(self) -> int: ...  # trailing draft tokens: logits for the last 1 + this many rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +42,7 @@ class RunnerSeq:
     start_pos: int
     block_table: Sequence[int]
     needs_logits: bool
+    num_draft_tokens: int = 0
 
 
 class ModelRunner:
@@ -63,7 +66,10 @@ class ModelRunner:
 
     def run(self, seqs: Sequence[StepSeq]) -> torch.Tensor:
         """Compute one step; return float32 logits ``[number of seqs with needs_logits, vocab_size]`` in
-        the order of ``seqs``. Each sequence's K/V for ``token_ids`` is written into its blocks."""
+        the order of ``seqs``. Each sequence's K/V for ``token_ids`` is written into its blocks.
+
+        A sequence with ``num_draft_tokens = k > 0`` (speculative verification) contributes ``1 + k``
+        rows, its last ``1 + k`` positions in order, instead of one."""
         if not seqs:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
         input_ids: list[int] = []
@@ -73,7 +79,10 @@ class ModelRunner:
             input_ids.extend(seq.token_ids)
             spans.append(SeqSpan(seq.start_pos, len(seq.token_ids), seq.block_table))
             if seq.needs_logits:
-                logit_rows.append(len(input_ids) - 1)
+                if seq.num_draft_tokens:
+                    logit_rows.extend(range(len(input_ids) - 1 - seq.num_draft_tokens, len(input_ids)))
+                else:
+                    logit_rows.append(len(input_ids) - 1)
         with torch.inference_mode():
             meta, positions = build_attention_metadata(spans, self.block_size, self.device)
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)

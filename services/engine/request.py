@@ -50,6 +50,11 @@ class Request:
     ``num_cached_prompt_tokens``, ``num_preemptions``) and the block pool (``block_ids``, the physical
     KV blocks backing the sequence in order). Telemetry reads and resets
     ``num_new_output_tokens_since_sample`` via :meth:`take_new_output_tokens`.
+
+    Speculative decoding: the engine core writes ``spec_token_ids`` (draft tokens proposed to follow
+    the sequence, to be verified in the next step; the scheduler consumes them when it schedules the
+    request and drops them on preemption) and the per-request counters ``num_draft_tokens`` /
+    ``num_accepted_draft_tokens``. Draft tokens are never part of ``all_token_ids`` until verified.
     """
 
     __slots__ = (
@@ -60,13 +65,16 @@ class Request:
         "finished_s",
         "first_scheduled_s",
         "first_token_s",
+        "num_accepted_draft_tokens",
         "num_cached_prompt_tokens",
         "num_computed_tokens",
+        "num_draft_tokens",
         "num_new_output_tokens_since_sample",
         "num_preemptions",
         "num_prompt_tokens",
         "request_id",
         "sampling_params",
+        "spec_token_ids",
         "status",
     )
 
@@ -91,6 +99,9 @@ class Request:
         self.num_cached_prompt_tokens: int | None = None
         self.num_preemptions = 0
         self.num_new_output_tokens_since_sample = 0
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
         self.arrival_s = arrival_s
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None

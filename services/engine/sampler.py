@@ -142,3 +142,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequenc
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution :meth:`Sampler.sample` draws from for a non-greedy request, as float32 probs:
+    ``softmax(top_p(top_k(logits / temperature)))`` row by row over ``logits`` ``[N, V]`` (every row with
+    the same ``params``). Speculative verification compares target and draft probabilities with it."""
+    scaled = logits.float() / params.temperature
+    n = scaled.shape[0]
+    if params.effective_top_k > 0 or params.top_p < 1.0:
+        scaled = apply_top_k_top_p(scaled, [params.effective_top_k] * n, [params.top_p] * n)
+    return torch.softmax(scaled, dim=-1)

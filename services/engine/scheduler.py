@@ -21,6 +21,19 @@ cache) and ``num_tokens`` (prompt + output); each step computes some of the gap.
 ``max_tokens`` ("length") or an EOS / stop token id ("stop"). Stop *strings* need detokenized text, so
 the caller checks them and calls :meth:`Scheduler.finish_request`.
 
+**Speculative decoding.** A running request that is caught up (only its last sampled token lacks KV)
+may carry draft tokens in ``Request.spec_token_ids`` (the engine core proposes them). It is then
+scheduled as a small *extend*: the last token plus the drafts, ``1 + K`` positions in one forward, with
+logits at every position (``ScheduledSeq.num_draft_tokens``). The drafts take budget and blocks like
+any token, but never at the price of a preemption: when the blocks do not suffice, the drafts are
+dropped and the request decodes one token as usual. ``update_from_output()`` then receives the run of
+tokens the verification accepted (``accepted``): they are appended one by one with the same stop checks
+as sampled tokens (a run is cut at EOS / ``max_tokens``), ``num_computed_tokens`` advances only over
+the positions whose K/V belong to accepted tokens, and the blocks that held only rejected positions are
+released (:meth:`BlockPool.free_unused_blocks`), so rejected drafts leave nothing behind: not in the
+block table, not in a prefix-cache digest (registration happens after the rollback and only covers
+computed positions).
+
 The scheduler never touches tensors and never reads a clock: times come in as ``now`` arguments.
 Admission limits: a request is refused at :meth:`Scheduler.add_request` when it could never run to
 completion alone (``prompt + max_tokens`` beyond ``max_context`` or beyond the whole KV cache), which is
@@ -30,7 +43,7 @@ what guarantees progress: the oldest running request is never preempted, and it 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.engine.block_pool import BlockPool, HashFn, hash_block_tokens
@@ -41,6 +54,7 @@ from services.engine.errors import (
     QueueFullError,
 )
 from services.engine.request import Request, RequestStatus
+from services.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,6 +112,10 @@ class ScheduledSeq:
     start_pos: int
     block_table: tuple[int, ...]
     needs_logits: bool
+    # Speculative decoding: the last ``num_draft_tokens`` of ``token_ids`` are unverified drafts that
+    # follow the request's last sampled token; the step returns logits for all 1 + num_draft_tokens
+    # positions (needs_logits is then True).
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +137,9 @@ class SchedulerOutput:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_admitted: int
+    # Draft tokens scheduled for verification (part of num_scheduled_tokens, not of the two above: a
+    # speculative decode counts 1 decode token, like a plain one).
+    num_draft_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -146,6 +167,19 @@ class SchedulerStats:
         """Prefix-cache hits / queried, in prompt tokens; 0.0 before any query."""
         q = self.num_prompt_tokens_queried
         return self.num_prompt_tokens_hit / q if q else 0.0
+
+
+def _stop_reason(
+    params: SamplingParams, eos_token_ids: frozenset[int], token_id: int, num_output_tokens: int
+) -> str | None:
+    """Why appending ``token_id`` (making ``num_output_tokens`` outputs) finishes a request, or None."""
+    # Stop is checked before length: when the last allowed token is EOS the model did stop, and
+    # "stop" tells the client more than "length" would.
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        return "stop"
+    if num_output_tokens >= params.max_tokens:
+        return "length"
+    return None
 
 
 _FINISH_STATUS = {
@@ -209,7 +243,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[str] = []
-        num_prefill = num_decode = 0
+        num_prefill = num_decode = num_drafts = 0
 
         i = 0
         while i < len(self._running) and budget > 0:
@@ -218,6 +252,18 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            if req.spec_token_ids and req.num_tokens - req.num_computed_tokens == 1:
+                num_spec = min(len(req.spec_token_ids), budget - 1)
+                if num_spec > 0 and pool.allocate_slots(req, 1 + num_spec):
+                    seq = self._make_seq(req, 1 + num_spec, num_spec)
+                    req.spec_token_ids = []
+                    scheduled.append(seq)
+                    budget -= 1 + num_spec
+                    num_decode += 1
+                    num_drafts += num_spec
+                    i += 1
+                    continue
+                req.spec_token_ids = []  # no budget or blocks for the drafts: a plain decode, no preemption
             while not pool.allocate_slots(req, num_new):
                 victim = self._running.pop()  # the newest; index > i unless it is req itself
                 self._preempt(victim)
@@ -267,6 +313,7 @@ class Scheduler:
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,
             num_admitted=num_admitted,
+            num_draft_tokens=num_drafts,
         )
 
     def _chunk_size(self, num_remaining: int, budget: int) -> int:
@@ -276,15 +323,19 @@ class Scheduler:
         return min(num_remaining, budget)
 
     @staticmethod
-    def _make_seq(req: Request, num_new: int) -> ScheduledSeq:
+    def _make_seq(req: Request, num_new: int, num_spec: int = 0) -> ScheduledSeq:
         start = req.num_computed_tokens
-        end = start + num_new
+        end = start + num_new - num_spec
+        token_ids = tuple(req.all_token_ids[start:end])
+        if num_spec:
+            token_ids += tuple(req.spec_token_ids[:num_spec])
         return ScheduledSeq(
             request_id=req.request_id,
-            token_ids=tuple(req.all_token_ids[start:end]),
+            token_ids=token_ids,
             start_pos=start,
             block_table=tuple(req.block_ids),
             needs_logits=end == req.num_tokens,
+            num_draft_tokens=num_spec,
         )
 
     @staticmethod
@@ -293,6 +344,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.block_pool.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -302,9 +354,15 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------------------
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: Mapping[str, int], now: float
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, int],
+        now: float,
+        accepted: Mapping[str, Sequence[int]] | None = None,
     ) -> list[Request]:
-        """Apply a finished step: ``sampled`` maps request id -> token for every seq with needs_logits.
+        """Apply a finished step: ``sampled`` maps request id -> token for every seq with needs_logits
+        and no draft tokens; ``accepted`` maps request id -> the verified run (1 .. 1 + K tokens: the
+        accepted drafts, then the token sampled where verification stopped) for every seq with drafts.
 
         Returns the requests this step touched, in scheduling order; finished ones have a terminal status,
         ``finished_s = now`` and no blocks, and are no longer known to the scheduler. Seqs of requests
@@ -317,6 +375,11 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             assert req.num_computed_tokens == seq.start_pos, (req, seq)
+            if seq.num_draft_tokens:
+                assert accepted is not None, "a step with draft tokens needs its accepted runs"
+                self._apply_accepted(req, seq, accepted[seq.request_id], now)
+                updated.append(req)
+                continue
             req.num_computed_tokens += seq.num_tokens
             pool.cache_full_blocks(req)
             if seq.needs_logits:
@@ -330,16 +393,43 @@ class Scheduler:
             updated.append(req)
         return updated
 
+    def _apply_accepted(self, req: Request, seq: ScheduledSeq, tokens: Sequence[int], now: float) -> None:
+        """Append a verified run, cut at the first stop; roll the KV back to the accepted point."""
+        if not 1 <= len(tokens) <= seq.num_draft_tokens + 1:
+            raise ValueError(f"{req.request_id}: {len(tokens)} accepted tokens for {seq.num_draft_tokens} drafts")
+        reason = None
+        for token_id in tokens:
+            req.append_output_token(token_id)
+            reason = self._check_stop(req, token_id)
+            if reason is not None:
+                break
+        # K/V is valid for the last known token and the drafts that were accepted: ``start + appended``
+        # positions. The token appended last (sampled where verification stopped) has none yet.
+        num_appended = req.num_tokens - seq.start_pos - 1
+        req.num_computed_tokens = seq.start_pos + num_appended
+        self.block_pool.free_unused_blocks(req)
+        self.block_pool.cache_full_blocks(req)
+        if req.first_token_s is None:
+            req.first_token_s = now
+        if reason is not None:
+            self._finish(req, _FINISH_STATUS[reason], now)
+
+    @staticmethod
+    def num_tokens_until_stop(req: Request, token_ids: Sequence[int]) -> tuple[int, str | None]:
+        """How many of ``token_ids``, appended in order to ``req``, survive the EOS / stop-token /
+        ``max_tokens`` checks, and the finish reason the last of them triggers (None if none does).
+        Pure: the request is not changed. The same rule :meth:`update_from_output` applies."""
+        params = req.sampling_params
+        num_output = req.num_output_tokens
+        for i, token_id in enumerate(token_ids):
+            reason = _stop_reason(params, req.eos_token_ids, token_id, num_output + i + 1)
+            if reason is not None:
+                return i + 1, reason
+        return len(token_ids), None
+
     @staticmethod
     def _check_stop(req: Request, token_id: int) -> str | None:
-        params = req.sampling_params
-        # Stop is checked before length: when the last allowed token is EOS the model did stop, and
-        # "stop" tells the client more than "length" would.
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in req.eos_token_ids):
-            return "stop"
-        if req.num_output_tokens >= params.max_tokens:
-            return "length"
-        return None
+        return _stop_reason(req.sampling_params, req.eos_token_ids, token_id, req.num_output_tokens)
 
     def finish_request(self, request_id: str, reason: str, now: float | None = None) -> Request | None:
         """Finish a waiting or running request from outside ("stop" | "length" | "abort").

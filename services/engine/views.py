@@ -10,6 +10,7 @@ from typing import Any
 
 from services.common.prom import E2E_BUCKETS_S, TTFT_BUCKETS_S, Histogram, PromText
 from services.engine.engine_core import EngineSnapshot, RequestOutput
+from services.engine.spec_decode import SpecDecodeStats
 from services.engine.usage_ledger import UsageLedger
 
 
@@ -74,7 +75,7 @@ def usage_body(model_id: str, snap: EngineSnapshot, ledger: UsageLedger, day: st
     s = snap.stats
     queried, hit = s.num_prompt_tokens_queried, s.num_prompt_tokens_hit
     prompt_total, output_total = ledger.prompt_tokens_total, ledger.output_tokens_total
-    return {
+    body: dict[str, Any] = {
         "model": model_id,
         "uptime": {"seconds": round(uptime_s, 1), "human": _human(uptime_s)},
         "tokens": {
@@ -117,6 +118,25 @@ def usage_body(model_id: str, snap: EngineSnapshot, ledger: UsageLedger, day: st
         },
         "energy": ledger.energy_view(day),
     }
+    if snap.spec is not None:  # only when speculating: the interop shape has no such key
+        body["speculative"] = speculative_view(snap.spec)
+    return body
+
+
+def speculative_view(spec: SpecDecodeStats) -> dict[str, Any]:
+    """/usage's "speculative" section (present only while speculating): totals since start, with
+    vLLM's meanings (see spec_decode.py)."""
+    return {
+        "enabled": True,
+        "method": spec.method,
+        "draft_tokens_per_step": spec.num_spec_tokens,
+        "drafts": spec.num_drafts,
+        "draft_tokens": spec.num_draft_tokens,
+        "accepted_tokens": spec.num_accepted_tokens,
+        "acceptance_rate_pct": round(100.0 * spec.acceptance_rate, 2),
+        "mean_acceptance_length": round(spec.mean_acceptance_length, 3),
+        "accepted_per_position": list(spec.num_accepted_tokens_per_pos),
+    }
 
 
 def metrics_text(model_id: str, snap: EngineSnapshot, req: RequestStats, uptime_s: float,
@@ -139,6 +159,16 @@ def metrics_text(model_id: str, snap: EngineSnapshot, req: RequestStats, uptime_
                   {**model, "finished_reason": reason})
     m.histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", req.ttft, model)
     m.histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", req.e2e, model)
+    if snap.spec is not None:
+        spec = snap.spec
+        m.counter("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.", spec.num_drafts, model)
+        m.counter("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.", spec.num_draft_tokens,
+                  model)
+        m.counter("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
+                  spec.num_accepted_tokens, model)
+        for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+            m.counter("vllm:spec_decode_num_accepted_tokens_per_pos_total", "Accepted tokens per draft position.",
+                      n, {**model, "position": str(pos)})
     m.gauge("vllm:cache_config_info", "Information of the KV cache configuration.", 1,
             {"block_size": str(block_size), "num_gpu_blocks": str(s.num_kv_blocks_total),
              "enable_prefix_caching": "True"})

@@ -228,7 +228,8 @@ def output_chunk(request_id: str, index: int, output: RequestOutput, worker_id: 
             prompt_n=output.num_prompt_tokens - output.num_cached_tokens, cache_n=output.num_cached_tokens,
             predicted_n=output.num_output_tokens, prompt_ms=t.prompt_ms if t else 0.0,
             predicted_ms=t.predicted_ms if t else 0.0, queue_ms=t.queue_ms if t else 0.0,
-            ttft_ms=t.ttft_ms if t else None,
+            ttft_ms=t.ttft_ms if t else None, draft_n=output.num_draft_tokens,
+            draft_n_accepted=output.num_accepted_draft_tokens,
         ),
         worker_id=worker_id,
     )
