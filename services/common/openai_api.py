@@ -41,6 +41,9 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
     return float(value)
 
 
+MAX_INT = 2**63 - 1  # what the bus (msgpack int64) carries; a bigger number was a 500 at encoding
+
+
 def _int(body: dict[str, Any], key: str, lo: int) -> int | None:
     value = body.get(key)
     if value is None:
@@ -49,6 +52,8 @@ def _int(body: dict[str, Any], key: str, lo: int) -> int | None:
         raise InvalidRequest(f"'{key}' must be an integer", key)
     if value < lo:
         raise InvalidRequest(f"'{key}' must be >= {lo}, got {value}", key)
+    if value > MAX_INT:
+        raise InvalidRequest(f"'{key}' must be <= {MAX_INT}", key)
     return value
 
 
@@ -78,7 +83,7 @@ def _messages(body: dict[str, Any]) -> list[ChatMessage]:
         if not isinstance(m, dict):
             raise InvalidRequest(f"messages[{i}] must be an object", f"messages[{i}]")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list here was a TypeError (500)
             raise InvalidRequest(f"messages[{i}].role must be one of {sorted(ROLES)}", f"messages[{i}].role")
         name = m.get("name")
         out.append(
@@ -122,8 +127,8 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1)
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise InvalidRequest("'seed' must be an integer", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -MAX_INT <= seed <= MAX_INT):
+        raise InvalidRequest(f"'seed' must be an integer of at most 64 bits (|seed| <= {MAX_INT})", "seed")
     logprobs: int | None = None
     if endpoint == "chat.completions":
         messages: list[ChatMessage] | None = _messages(body)
@@ -211,6 +216,7 @@ def timings_body(t: Timings) -> dict[str, Any]:
         "prompt_ms": t.prompt_ms, "predicted_ms": t.predicted_ms, "ttft": t.ttft_ms,
         "prompt_per_second": t.prompt_n / t.prompt_ms * 1000.0 if t.prompt_ms > 0 else None,
         "predicted_per_second": t.predicted_n / t.predicted_ms * 1000.0 if t.predicted_ms > 0 else None,
+        "draft_n": t.draft_n, "draft_n_accepted": t.draft_n_accepted,  # speculative decoding (0: none)
     }
 
 

@@ -31,6 +31,7 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.energy import detect_meter
 from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.errors import EngineError
+from services.engine.kernels.backend import BackendUnavailableError, select_backend
 from services.engine.service import EngineService, ServeConfig, http_site
 from services.engine.spec_decode import (
     DEFAULT_DRAFT_TOKENS,
@@ -72,8 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1/* (also $NINFER_API_KEY)")
     parser.add_argument("--nats", help="join the bus as a worker at this NATS URL (also $NATS_URL)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
+    parser.add_argument("--backend", choices=["auto", "torch", "triton"], default=None,
+                        help="kernels: auto = Triton on CUDA, else torch (default; also $LLMGW_ENGINE_BACKEND)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype")
-    parser.add_argument("--worker-id", help="bus worker id (default: engine-<host>-<pid>)")
+    parser.add_argument("--worker-id", default=os.environ.get("LLMGW_WORKER_ID"),
+                        help="bus worker id (default: $LLMGW_WORKER_ID, else engine-<host>-<pid>)")
     parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between bus heartbeats")
     parser.add_argument("--energy-interval", type=float, default=5.0, help="seconds between energy samples")
@@ -134,8 +138,12 @@ def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, W
         model_path=path, model_id=model_id, dtype=args.dtype, device=args.device, kv_dtype=args.kv_dtype,
         kv_capacity_tokens=args.kv_capacity, max_concurrency=args.max_concurrency,
         max_pending_requests=args.max_pending_requests, max_context=args.max_context,
-        preserve_thinking=args.preserve_thinking, spec=spec,
+        preserve_thinking=args.preserve_thinking, spec=spec, backend=args.backend,
     )
+    try:
+        select_backend(args.device, args.backend)  # a backend that cannot run here stops the start, named
+    except BackendUnavailableError as exc:
+        raise ConfigError("backend", exc.reason) from None
     serve = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                         electricity_rate_usd_per_kwh=args.electricity_rate, metrics_state=args.metrics_state,
                         energy_interval_s=args.energy_interval)

@@ -27,6 +27,7 @@ import torch
 from services.engine.attention import KVCache, KVCacheSpec
 from services.engine.draft_model import DraftModelProposer, DraftTarget
 from services.engine.errors import EngineError, InvalidParameterError
+from services.engine.kernels.backend import select_backend
 from services.engine.loader import load_model
 from services.engine.model_runner import ModelRunner
 from services.engine.rejection_sampler import verify_greedy, verify_random
@@ -53,6 +54,7 @@ class EngineConfig:
     model_id: str | None = None
     dtype: str | None = None
     device: str = "cpu"
+    backend: str | None = None  # kernels: "auto"/None (triton on CUDA, else torch), "torch", "triton"
     kv_dtype: Literal["auto", "fp8"] = "auto"
     kv_capacity_tokens: int | None = None
     kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION
@@ -169,7 +171,9 @@ class EngineCore:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.device = torch.device(config.device)
-        self.model, self.model_config = load_model(config.model_path, dtype=config.dtype, device=self.device)
+        self.backend = select_backend(self.device, config.backend)
+        self.model, self.model_config = load_model(config.model_path, dtype=config.dtype, device=self.device,
+                                                   backend=self.backend)
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.model_id = config.model_id or Path(config.model_path).name
         dtype = next(self.model.parameters()).dtype

@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from services.engine.errors import ModelLoadError
+from services.engine.kernels.backend import Backend
 from services.engine.model import CausalLM, DecoderLayer
 from services.engine.model_config import DTYPES, ModelConfig
 
@@ -31,7 +32,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu"
+    path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+    backend: Backend = "torch",
 ) -> tuple[CausalLM, ModelConfig]:
     """Read the checkpoint at ``path`` and return the model (in eval mode) and its config.
 
@@ -45,7 +47,7 @@ def load_model(
     target_dtype = _resolve_dtype(dtype, config, root)
     files = _tensor_files(root)
 
-    model = CausalLM(config, dtype=target_dtype, device=device)
+    model = CausalLM(config, dtype=target_dtype, device=device, backend=backend)
     expected = _expected_shapes(config)
     with ExitStack() as stack:
         handles = {}

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
+from services.engine.kernels.backend import Backend
 from services.engine.model_config import ModelConfig
 
 # oneDNN's fp32 GEMM (the kernel inductor picks on CPU) against MKL's, which F.linear calls: on the bench
@@ -154,6 +155,25 @@ class Attention(nn.Module):
         o = backend.forward(self.layer_idx, q, k, v, meta, kv_cache)
         return linear(o.reshape(num_tokens, -1), self.o_weight, self.o_bias)
 
+    def forward_triton(self, x: torch.Tensor, positions: torch.Tensor, rope_cos: torch.Tensor,
+                       rope_sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                       backend: AttentionBackend) -> torch.Tensor:
+        """forward() with the Triton kernels: per-head norms and RoPE in place on the qkv views."""
+        from services.engine.kernels import rms_norm as kn
+        from services.engine.kernels import rope as kr
+
+        num_tokens = x.shape[0]
+        q, k, v = torch.split(linear(x, self.qkv_weight, self.qkv_bias), self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = kn.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = kn.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        kr.rope_(q, k, positions, rope_cos, rope_sin)
+        o = backend.forward(self.layer_idx, q, k, v, meta, kv_cache)
+        return linear(o.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one ``[2I, H]`` weight."""
@@ -210,10 +230,16 @@ class CausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         attention: AttentionBackend | None = None,
+        backend: Backend = "torch",
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.backend = backend
+        if attention is None and backend == "triton":
+            from services.engine.kernels.triton_attention import TritonPagedAttention
+
+            attention = TritonPagedAttention()
         self.attention: AttentionBackend = attention or TorchPagedAttention()
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
@@ -227,6 +253,12 @@ class CausalLM(nn.Module):
             else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+        if backend == "triton":
+            from services.engine.kernels.reference import rope_cos_sin_cache
+
+            cos, sin = rope_cos_sin_cache(self.inv_freq, config.max_position_embeddings)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
@@ -235,6 +267,8 @@ class CausalLM(nn.Module):
 
         Writes each token's K/V into ``kv_cache`` at ``meta.slot_mapping`` as a side effect.
         """
+        if self.backend == "triton":
+            return self._forward_triton(input_ids, positions, meta, kv_cache)
         x = F.embedding(input_ids, self.embed_tokens)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
@@ -244,6 +278,29 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             x = layer.forward(x, cos, signed_sin, meta, kv_cache, self.attention)
         return rms_norm(x, self.norm.weight, self.norm.eps)
+
+    def _forward_triton(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        kv_cache: KVCache) -> torch.Tensor:
+        """The CUDA path: the residual stream carried separately, every x + sublayer(x) fused into the next
+        norm (services/engine/kernels); numerically the torch path's (tests/unit/engine/test_triton_kernels.py)."""
+        from services.engine.kernels import activation as ka
+        from services.engine.kernels import rms_norm as kn
+
+        residual = F.embedding(input_ids, self.embed_tokens)
+        x: torch.Tensor | None = None
+        for layer in self.layers:
+            norm1, norm2, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
+            if x is None:
+                h = kn.rms_norm(residual, norm1.weight, norm1.eps)
+            else:
+                h, residual = kn.fused_add_rms_norm(x, residual, norm1.weight, norm1.eps)
+            x = layer.self_attn.forward_triton(h, positions, self.rope_cos, self.rope_sin, meta, kv_cache,
+                                               self.attention)
+            h, residual = kn.fused_add_rms_norm(x, residual, norm2.weight, norm2.eps)
+            x = linear(ka.silu_and_mul(linear(h, mlp.gate_up_weight)), mlp.down_weight)
+        if x is None:
+            return kn.rms_norm(residual, self.norm.weight, self.norm.eps)
+        return kn.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` → logits ``[N, vocab_size]`` in float32."""
