@@ -116,6 +116,10 @@ async def test_sign_in_see_backends_then_create_a_key_and_use_it(site: Site) -> 
     assert await page.locator("tr[data-member=w1]").count() == 1  # type: ignore[attr-defined]
     await page.wait_for_selector("tr[data-member=w2] .load svg.spark", timeout=10_000)  # type: ignore[attr-defined]
     await _shot(page, "admin-backends")
+    await page.set_viewport_size({"width": 390, "height": 844})  # type: ignore[attr-defined]  # a phone
+    assert await page.evaluate("document.documentElement.scrollWidth") <= 390 + 1  # type: ignore[attr-defined]
+    await _shot(page, "admin-backends-phone")
+    await page.set_viewport_size({"width": 1200, "height": 800})  # type: ignore[attr-defined]
 
     await page.click("text=My keys")  # type: ignore[attr-defined]
     await page.fill("input[name=name]", "notebook")  # type: ignore[attr-defined]
