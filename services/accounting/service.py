@@ -56,7 +56,7 @@ class AccountingConfig:
     batch_size: int = 512
     fetch_timeout_s: float = 1.0
     # A batch fetched but not acked (the process stopped mid-batch) is redelivered after this long.
-    ack_wait_s: float = 60.0
+    ack_wait_s: float = 15.0  # ingest is idempotent: a crash mid-batch delays the ledger this long, no more
     host: str = "127.0.0.1"
     port: int | None = None
     electricity_rate_usd_per_kwh: float = 0.125
@@ -308,7 +308,7 @@ class AccountingService:
                 reply = {"columns": columns, "rows": rows}
         except (QueryRejected, QueryFailed, QueryTimedOut) as exc:
             reply = {"error": str(exc)}
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             reply = {"error": "request is not JSON"}
         await msg.respond(msgspec.json.encode(reply))
 
@@ -316,7 +316,7 @@ class AccountingService:
         try:
             request = msgspec.json.decode(msg.data) if msg.data else {}
             reply = await self.costs(_days(request.get("days", 30) if isinstance(request, dict) else None))
-        except (msgspec.DecodeError, ValueError) as exc:
+        except (msgspec.DecodeError, ValueError, RecursionError) as exc:
             reply = error_body(f"bad costs request: {exc}", "invalid_request_error", "invalid_request")
         await msg.respond(msgspec.json.encode(reply))
 
@@ -345,7 +345,7 @@ class AccountingService:
             raise_if_cancelling()
             raise HTTPError(503, "cannot check the API key: no gateway answered on the bus",
                             code="auth_unavailable", retry_after_s=5) from None
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             raise HTTPError(503, "the key check returned garbage", code="auth_unavailable") from None
         if not isinstance(answer, dict) or not answer.get("ok"):
             raise HTTPError(401, "invalid API key", code="invalid_api_key")

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import math
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from services.common.runtime import raise_if_cancelling
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -19,6 +24,7 @@ _ERROR_TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 
 
@@ -75,6 +81,30 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return error_response(HTTPError(500, "internal server error", type="server_error"))
 
 
+def body_deadline_middleware(timeout_s: float) -> Any:
+    """Read each request body within ``timeout_s`` (408 otherwise), before the handler runs.
+
+    aiohttp has no body-read timeout: a client that trickles its body would hold a handler (and, for the
+    gateway, a per-key request slot) for as long as it likes. The body is cached by aiohttp, so the
+    handler's own ``read()``/``post()`` find it at once. The header phase is bounded by the server's
+    keep-alive timeout, which aiohttp starts when the connection opens (see :func:`serving`).
+    """
+
+    @web.middleware
+    async def body_deadline(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await request.read()
+            except TimeoutError:
+                raise_if_cancelling()
+                raise HTTPError(408, f"the request body did not arrive within {timeout_s:g} s",
+                                code="body_timeout") from None
+        return await handler(request)
+
+    return body_deadline
+
+
 async def read_json_object(request: web.Request) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 that says what is wrong with it."""
     body = await request.read()
@@ -84,18 +114,36 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise HTTPError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # msgspec's nesting limit: e.g. 100 000 '[' (found by tests/faults, a 500 before)
+        raise HTTPError(400, "request body is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
     return data
 
 
+class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's protocol logger, minus one storm: it logs every malformed request (control characters in
+    a header, a broken request line…) as an ERROR with a traceback, so any client could flood the log
+    (tests/faults/test_hostile_input.py). Those are the client's fault: one WARNING line each, no traceback."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            self.logger.warning("%s: %s", msg % args if args else msg, exc_info.message or exc_info)
+        else:
+            self.logger.exception(msg, *args, exc_info=exc_info, **kw)
+
+
 @contextlib.asynccontextmanager
-async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[str]:
+async def serving(app: web.Application, host: str, port: int, idle_timeout_s: float = 75.0) -> AsyncIterator[str]:
     """Serve ``app`` on ``host:port`` (0 picks a free port) and yield its base URL; clean up on exit.
 
     Handlers are cancelled when their client disconnects, so upstream work can be aborted.
+    ``idle_timeout_s`` is aiohttp's keep-alive timeout: it runs from the moment a connection opens until
+    a complete request head has arrived, so it also cuts off a client that sends its headers slowly
+    (slow loris; aiohttp's own default is 3630 s).
     """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=idle_timeout_s,
+                           logger=_ServerLog(logging.getLogger("aiohttp.server"), {}))
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from services.common import pool_config
 from services.common.bus import bus_session, nats_url_from_env
-from services.common.http import serving
 from services.common.runtime import (
     ConfigError,
     announce,
@@ -60,7 +59,7 @@ async def run(args: argparse.Namespace) -> None:
     file_config = pool_config.load(config.config_path) if config.config_path else None
     async with bus_session(nats_url_from_env(args.nats), f"gateway:{config.gateway_id}", data) as nc:
         service = GatewayService(nc, config, file_config)
-        async with service.running(), serving(service.app(), config.host, config.port) as url:
+        async with service.running(), service.serving() as url:
             announce("gateway", f"listening on {url}")
             await asyncio.Event().wait()  # until SIGINT/SIGTERM cancels us
 

@@ -192,7 +192,7 @@ class Auth:
 
     @staticmethod
     def check_csrf(session: Session, form_token: object) -> None:
-        if not isinstance(form_token, str) or not hmac.compare_digest(form_token, session.csrf):
+        if not isinstance(form_token, str) or not hmac.compare_digest(form_token.encode(), session.csrf.encode()):
             raise HTTPError(403, "the form's CSRF token is missing or wrong: reload the page and try again",
                             code="csrf_failed")
 

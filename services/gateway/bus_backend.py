@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
@@ -14,45 +15,87 @@ from services.common.http import HTTPError
 from services.common.openai_stream import chunk_error
 from services.common.runtime import raise_if_cancelling
 
+LIVENESS_POLL_S = 0.25  # how often a wait for the next chunk checks that the worker still lives
+
 
 class WorkerUnavailable(Exception):
     """The worker did not accept the request (no responder, silence, or an error before any token)."""
 
-    def __init__(self, worker_id: str, reason: str, error: HTTPError | None = None) -> None:
+    def __init__(self, worker_id: str, reason: str, error: HTTPError | None = None, is_bus_down: bool = False) -> None:
         super().__init__(f"{worker_id}: {reason}")
         self.worker_id = worker_id
         self.reason = reason
         self.error = error
+        self.is_bus_down = is_bus_down  # our own connection is down: not the worker's fault
 
 
 class BusStream:
-    """One accepted request's reply stream; close it to stop listening."""
+    """One accepted request's reply stream; close it to stop listening.
 
-    def __init__(self, sub: Subscription, first: TokenChunk, chunk_timeout_s: float) -> None:
+    Waits for chunks in slices of at most ``LIVENESS_POLL_S`` and asks ``is_alive`` in between: a worker
+    that died (its heartbeats stopped, or it restarted under a new session) ends the stream within the
+    gateway's staleness threshold instead of after ``chunk_timeout_s`` of silence. ``deadline_s``
+    (monotonic) is the gateway's request timeout.
+    """
+
+    def __init__(self, sub: Subscription, first: TokenChunk, chunk_timeout_s: float,
+                 is_alive: Callable[[], bool] | None = None, deadline_s: float | None = None) -> None:
         self.sub = sub
         self.first = first
         self.chunk_timeout_s = chunk_timeout_s
+        self.is_alive = is_alive
+        self.deadline_s = deadline_s
+        self._read: list[TokenChunk] = [first]  # read ahead by prime(), not yet yielded
+        self._expected = first.index + 1
 
-    async def chunks(self) -> AsyncIterator[TokenChunk]:
-        yield self.first
-        expected = self.first.index + 1
-        chunk = self.first
-        while not chunk.is_final:
+    async def _next(self) -> TokenChunk:
+        silent_until = time.monotonic() + self.chunk_timeout_s
+        while True:
+            now = time.monotonic()
+            if self.deadline_s is not None and now >= self.deadline_s:
+                raise HTTPError(504, "the request ran past the gateway's request timeout", code="request_timeout")
+            if now >= silent_until:
+                raise HTTPError(503, "the engine stopped responding mid-request", code="upstream_timeout",
+                                retry_after_s=5)
+            if self.is_alive is not None and not self.is_alive():
+                raise HTTPError(503, "the engine went away mid-request", code="upstream_lost", retry_after_s=1)
+            wait_s = min(silent_until, self.deadline_s or silent_until) - now
             try:
-                msg = await self.sub.next_msg(timeout=self.chunk_timeout_s)
+                msg = await self.sub.next_msg(timeout=min(wait_s, LIVENESS_POLL_S))
+                break
             except (NatsTimeout, TimeoutError):
                 raise_if_cancelling()
-                raise HTTPError(503, "the engine stopped responding mid-request", code="upstream_timeout",
-                                retry_after_s=5) from None
+        try:
+            return decode(msg.data, TokenChunk)
+        except ProtoDecodeError as exc:
+            raise HTTPError(503, f"the engine sent a malformed chunk: {exc.reason}", code="upstream_garbled",
+                            retry_after_s=1) from None
+
+    def _accept(self, chunk: TokenChunk) -> TokenChunk:
+        if chunk.index != self._expected:
+            raise HTTPError(503, f"lost part of the engine's reply (chunk {self._expected} missing)",
+                            code="upstream_gap", retry_after_s=1)
+        self._expected += 1
+        return chunk
+
+    async def prime(self, worker_id: str) -> None:
+        """Read ahead to the first chunk with text (or the final one). Nothing reached the client yet, so a
+        failure here is :class:`WorkerUnavailable`: the gateway may still try another member."""
+        while not (self._read[-1].text or self._read[-1].is_final):
             try:
-                chunk = decode(msg.data, TokenChunk)
-            except ProtoDecodeError as exc:
-                raise HTTPError(503, f"the engine sent a malformed chunk: {exc.reason}", code="upstream_garbled",
-                                retry_after_s=1) from None
-            if chunk.index != expected:
-                raise HTTPError(503, f"lost part of the engine's reply (chunk {expected} missing)",
-                                code="upstream_gap", retry_after_s=1)
-            expected += 1
+                self._read.append(self._accept(await self._next()))
+            except HTTPError as err:
+                if err.code == "request_timeout":
+                    raise
+                raise WorkerUnavailable(worker_id, f"before its first token: {err.message}") from None
+
+    async def chunks(self) -> AsyncIterator[TokenChunk]:
+        chunk = self.first
+        while self._read:
+            chunk = self._read.pop(0)
+            yield chunk
+        while not chunk.is_final:
+            chunk = self._accept(await self._next())
             yield chunk
 
     async def close(self) -> None:
@@ -61,17 +104,29 @@ class BusStream:
 
 
 async def start(nc: Client, worker_id: str, generate: GenerateRequest, first_chunk_timeout_s: float,
-                chunk_timeout_s: float) -> BusStream:
+                chunk_timeout_s: float, is_alive: Callable[[], bool] | None = None,
+                deadline_s: float | None = None) -> BusStream:
     """Send the request and wait for the worker's acceptance (chunk 0) or refusal."""
+    if not nc.is_connected:
+        # nats.py would buffer the publish until a reconnect and we would wait out the first-chunk deadline:
+        # answer now (the caller turns this into 503 + Retry-After) and do not hold it against the worker.
+        raise WorkerUnavailable(worker_id, "the bus is disconnected", is_bus_down=True)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     try:
         await nc.publish(subjects.gen(worker_id), encode(generate), reply=inbox)
-        try:
-            msg = await sub.next_msg(timeout=first_chunk_timeout_s)
-        except (NatsTimeout, TimeoutError):
-            raise_if_cancelling()  # the client left: not a reason to fail over
-            raise WorkerUnavailable(worker_id, "silent past the first-chunk deadline") from None
+        silent_until = time.monotonic() + first_chunk_timeout_s
+        while True:
+            wait_s = silent_until - time.monotonic()
+            if wait_s <= 0:
+                raise WorkerUnavailable(worker_id, "silent past the first-chunk deadline")
+            if not nc.is_connected:  # the request or its answer went down with the connection
+                raise WorkerUnavailable(worker_id, "the bus connection dropped", is_bus_down=True)
+            try:
+                msg = await sub.next_msg(timeout=min(wait_s, LIVENESS_POLL_S))
+                break
+            except (NatsTimeout, TimeoutError):
+                raise_if_cancelling()  # the client left: not a reason to fail over
         if msg.headers and msg.headers.get("Status") == "503":
             raise WorkerUnavailable(worker_id, "no responder on its subject")
         try:
@@ -80,7 +135,7 @@ async def start(nc: Client, worker_id: str, generate: GenerateRequest, first_chu
             raise WorkerUnavailable(worker_id, exc.reason) from None
         if first.error is not None:
             raise WorkerUnavailable(worker_id, first.error.message, chunk_error(first))
-        return BusStream(sub, first, chunk_timeout_s)
+        return BusStream(sub, first, chunk_timeout_s, is_alive, deadline_s)
     except BaseException:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

@@ -23,6 +23,7 @@ class MemberRecord:
     in_flight: int = 0
     pending_prefill_chars: int = 0
     down_until_s: float = 0.0
+    down_since_s: float = 0.0
     load_history: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=HISTORY_POINTS))
 
 
@@ -42,6 +43,12 @@ class Fleet:
         else:  # first sight, or the engine restarted: its counters began again, and so do our bookings
             rec.previous = None
             rec.routed_total = 0
+            rec.down_until_s = 0.0  # a failure seen before belonged to the previous process
+        if (rec.down_until_s > now_s and hb.backend in ("", BUS_BACKEND)
+                and now_s - rec.down_since_s >= (hb.heartbeat_interval_s or DOWN_AFTER_FAILURE_S)):
+            # A bus worker heartbeats on the connection it serves on: one heard a full interval after the
+            # failure is subscribed again (e.g. it rejoined after a NATS restart), so it need not sit out.
+            rec.down_until_s = 0.0
         rec.heartbeat = hb
         rec.received_s = now_s
         return True
@@ -84,7 +91,9 @@ class Fleet:
             rec.in_flight -= 1
 
     def mark_down(self, member_id: str, now_s: float) -> None:
-        self.record(member_id).down_until_s = now_s + DOWN_AFTER_FAILURE_S
+        rec = self.record(member_id)
+        rec.down_until_s = now_s + DOWN_AFTER_FAILURE_S
+        rec.down_since_s = now_s
 
     def is_down(self, member_id: str, now_s: float) -> bool:
         return self.record(member_id).down_until_s > now_s

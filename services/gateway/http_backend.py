@@ -20,7 +20,7 @@ import msgspec
 from aiohttp import web
 
 from proto import Usage
-from services.common.http import HTTPError
+from services.common.http import HTTPError, error_body
 from services.common.pool_config import MemberConfig
 from services.common.runtime import raise_if_cancelling
 
@@ -53,6 +53,7 @@ class UpstreamResult:
     finish_reason: str | None = None
     ttft_ms: float | None = None
     http_status: int = 200
+    error: HTTPError | None = None  # the stream ended early with this error event
 
 
 def _usage(obj: Any) -> Usage | None:
@@ -135,6 +136,7 @@ class HttpBackend:
                     request_id: str, on_first_byte: Callable[[], None]) -> tuple[web.StreamResponse, UpstreamResult]:
         result = UpstreamResult(http_status=resp.status)
         started = time.monotonic()
+        out: web.StreamResponse | None = None
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 if not stream:
@@ -183,5 +185,17 @@ class HttpBackend:
                     await out.write(line)
                 await out.write_eof()
                 return out, result
+        except TimeoutError:
+            raise_if_cancelling()
+            err = HTTPError(504, f"the request ran past the gateway's request timeout ({self.request_timeout_s:g} s)",
+                            code="request_timeout")
+            if out is None or not out.prepared:
+                raise err from None
+            # the status line is gone already: end the stream with an error event, as for our own engines
+            result.http_status, result.error = err.status, err
+            await out.write(b"data: " + _json.encode(error_body(err.message, err.type, err.code)) + b"\n\n")
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+            return out, result
         finally:
             resp.release()

@@ -249,7 +249,7 @@ class IdentityStore:
         if not cookie or "." not in cookie:
             return None
         token, _, signature = cookie.rpartition(".")
-        if not hmac.compare_digest(signature, self._sign(token)):
+        if not hmac.compare_digest(signature.encode(), self._sign(token).encode()):  # bytes: non-ASCII is no TypeError
             return None
         row = self.db.execute("SELECT user_id, csrf, expires_s FROM sessions WHERE token_sha256 = ?",
                               (key_digest(token),)).fetchone()
@@ -271,7 +271,7 @@ class IdentityStore:
 
     def check_signed(self, signed: str) -> bool:
         value, _, signature = signed.rpartition(".")
-        return bool(value) and hmac.compare_digest(signature, self._sign("v:" + value))
+        return bool(value) and hmac.compare_digest(signature.encode(), self._sign("v:" + value).encode())
 
     # ---- API keys -----------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ form ↔ config mapping in config_form.py and the chart in charts.py (both pure)
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import secrets
 import time
@@ -125,7 +126,8 @@ class Pages:
         form = await request.post()
         nonce = request.cookies.get(LOGIN_CSRF_COOKIE, "")
         token = form.get("csrf")
-        if not nonce or not isinstance(token, str) or token != self.auth.store.sign_value(nonce):
+        expected = self.auth.store.sign_value(nonce).encode()
+        if not nonce or not isinstance(token, str) or not hmac.compare_digest(token.encode(), expected):
             raise HTTPError(403, "the sign-in form expired or came from elsewhere: reload the page", code="csrf_failed")
         name, password = str(form.get("name", "")), str(form.get("password", ""))
         next_path = _safe_next(form.get("next"), "")

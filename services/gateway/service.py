@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 
 from proto import ProtoDecodeError, SlotHeartbeat, TokenChunk, Usage, UsageRecord, decode, encode, subjects
 from services.common import openai_api, openai_stream, pool_config
-from services.common.http import HTTPError, error_middleware, read_json_object
+from services.common.http import HTTPError, body_deadline_middleware, error_middleware, read_json_object, serving
 from services.common.prom import E2E_BUCKETS_S, Histogram, PromText
 from services.common.runtime import ConfigError, atomic_write_text, new_session_id, raise_if_cancelling
 from services.gateway import bus_backend, pools, routing, routing_adapter
@@ -56,7 +56,10 @@ class GatewayConfig:
     # a member's silence before its first byte → next member; None: the pools file's gateway.first_byte_timeout_s
     first_chunk_timeout_s: float | None = None
     chunk_timeout_s: float = 300.0  # silence between chunks once a member accepted the request
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = 4 * 1024 * 1024  # only until a pools file says otherwise (gateway.max_body_bytes)
+    # a connection must deliver a complete request head within this (slow-loris guard; also the idle keep-alive)
+    idle_timeout_s: float = 75.0
+    body_timeout_s: float = 60.0  # a request body must arrive within this, else 408
     usage_buffer: int = 100_000
     config_poll_s: float = 1.0
     # networks whose callers may run inference without an API key (CIDR); loopback is not trusted by default
@@ -161,7 +164,7 @@ class GatewayService:
         """Other services (accounting's /sql, /costs) ask whether an API key's digest is valid, and whose."""
         try:
             digest = msgspec.json.decode(msg.data).get("key_sha256")
-        except (msgspec.DecodeError, AttributeError):
+        except (msgspec.DecodeError, AttributeError, RecursionError):
             digest = None
         key = self.identity.lookup_key(digest, time.time()) if isinstance(digest, str) else None
         user = self.identity.user(key.user_id) if key is not None else None
@@ -214,7 +217,7 @@ class GatewayService:
             if data.get("gateway_id") == self.config.gateway_id:
                 return
             problem = await self.apply_config(data["config"], broadcast=False)
-        except (msgspec.DecodeError, AttributeError, KeyError, TypeError) as exc:
+        except (msgspec.DecodeError, AttributeError, KeyError, TypeError, RecursionError) as exc:
             log.warning("ignored a malformed config-changed message: %s", exc)
             return
         except OSError as exc:
@@ -352,7 +355,9 @@ class GatewayService:
     # ---- HTTP -------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
+        app = web.Application(middlewares=[error_middleware, self._body_limit,
+                                           body_deadline_middleware(self.config.body_timeout_s)],
+                              client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
@@ -364,6 +369,19 @@ class GatewayService:
         app.router.add_post("/admin/routing/explain", self.explain)
         Pages(self).routes(app)
         return app
+
+    def serving(self) -> contextlib.AbstractAsyncContextManager[str]:
+        """Serve :meth:`app` on the configured address with the gateway's connection timeouts."""
+        return serving(self.app(), self.config.host, self.config.port, idle_timeout_s=self.config.idle_timeout_s)
+
+    @web.middleware
+    async def _body_limit(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The pools file's ``gateway.max_body_bytes`` (applied at every reload) bounds what a body may be."""
+        limit = self.file_config.limits.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise HTTPError(413, f"request body is {request.content_length} bytes; the limit is {limit}",
+                            code="body_too_large")
+        return await handler(request.clone(client_max_size=limit))
 
     def _model_card(self, name: str) -> dict[str, Any]:
         resolved = pools.resolve(name, self.file_config, self.fleet)
@@ -538,7 +556,7 @@ class GatewayService:
                     if error.status in (400, 413):
                         raise error from None  # about the request itself: another member would say the same
                     last_error = error  # e.g. 429 queue full: try the next member, report this if none
-                else:
+                elif not getattr(exc, "is_bus_down", False):
                     self.fleet.mark_down(member_id, time.time())
                 log.warning("member %s unavailable for %s: %s", member_id, request_id, exc)
                 self.metrics.failovers[member_id] += 1
@@ -576,9 +594,18 @@ class GatewayService:
                        first_byte: Callable[[], None]) -> web.StreamResponse:
         generate = msgspec.structs.replace(parsed.generate, request_id=request_id, model=ref.model_id,
                                            gateway_id=self.config.gateway_id, api_key_id=api_key_id)
+        deadline_s = time.monotonic() + self.file_config.limits.request_timeout_s
         stream = await bus_backend.start(self.nc, ref.member_id, generate, self.first_byte_timeout_s,
-                                         self.config.chunk_timeout_s)
+                                         self.config.chunk_timeout_s, self._liveness(ref.member_id), deadline_s)
         try:
+            try:
+                await stream.prime(ref.member_id)  # a worker lost before its first token: fail over
+            except HTTPError:  # the request timeout ran out before the first token
+                await bus_backend.cancel(self.nc, ref.member_id, request_id)
+                raise
+            except bus_backend.WorkerUnavailable:
+                await bus_backend.cancel(self.nc, ref.member_id, request_id)
+                raise
             return await openai_stream.respond(request, parsed, request_id, _notify_first_text(stream.chunks(),
                                                first_byte), self._on_final(outcome), self._on_error(outcome))
         except (asyncio.CancelledError, ConnectionResetError):
@@ -586,6 +613,18 @@ class GatewayService:
             raise
         finally:
             await stream.close()
+
+    def _liveness(self, member_id: str) -> Callable[[], bool]:
+        """True while the member's heartbeats keep coming from the session that accepted the request."""
+        rec = self.fleet.record(member_id)
+        session = rec.heartbeat.session_id if rec.heartbeat is not None else None
+
+        def is_alive() -> bool:
+            hb = rec.heartbeat
+            if hb is None or rec.received_s is None:
+                return True  # no telemetry to judge by: the chunk timeout decides
+            return hb.session_id == session and time.time() - rec.received_s <= self.config.stale_after_s
+        return is_alive
 
     async def _via_http(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
                         ref: pools.MemberRef, request_id: str, outcome: _Outcome,
@@ -595,6 +634,8 @@ class GatewayService:
         response, result = await self.http.relay(request, resp, parsed.stream, parsed.include_usage, request_id,
                                                  on_first_byte=first_byte)
         outcome.usage, outcome.finish_reason, outcome.ttft_ms = result.usage, result.finish_reason, result.ttft_ms
+        if result.error is not None:
+            self._on_error(outcome)(result.error)
         return response
 
 

@@ -1,0 +1,211 @@
+"""Fault-test helpers: real engine/gateway/accounting processes that a test can SIGKILL, an in-process
+gateway on a real nats-server, a counter of error log lines, and a reader of the USAGE stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proto import UsageRecord, decode, subjects
+from services.common import pool_config
+from services.common.bus import connect, ensure_bus
+from services.common.runtime import raise_if_cancelling
+from services.gateway.service import GatewayConfig, GatewayService
+from tests.e2e.procs import Followed
+
+PYTHON = sys.executable
+
+
+async def wait_until(predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "") -> float:
+    """Poll ``predicate`` until true; return the seconds it took (fails the test past ``timeout_s``)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while not predicate():
+        if loop.time() - started > timeout_s:
+            raise AssertionError(f"not within {timeout_s}s: {what or predicate}")
+        await asyncio.sleep(interval_s)
+    return loop.time() - started
+
+
+class Proc:
+    """A service started as its real command; ``kill()`` is SIGKILL (no cleanup, like a crash)."""
+
+    def __init__(self, argv: list[str], marker: str, env: dict[str, str] | None = None) -> None:
+        self.argv = argv
+        self.marker = marker
+        self.env = env
+        self.followed: Followed | None = None
+
+    async def start(self, timeout_s: float = 60.0) -> str:
+        self.followed = Followed(self.argv, self.marker, env=self.env)
+        return await asyncio.to_thread(self.followed.wait_ready, timeout_s)
+
+    @property
+    def pid(self) -> int:
+        assert self.followed is not None
+        return self.followed.proc.pid
+
+    def kill(self) -> None:
+        if self.followed is not None and self.followed.proc.poll() is None:
+            self.followed.proc.send_signal(signal.SIGKILL)
+            self.followed.proc.wait(10)
+
+    def stop(self) -> None:
+        """SIGTERM (graceful), SIGKILL after 10 s."""
+        if self.followed is not None and self.followed.proc.poll() is None:
+            self.followed.proc.terminate()
+            try:
+                self.followed.proc.wait(10)
+            except Exception:
+                self.kill()
+
+    @property
+    def output(self) -> str:
+        return self.followed.output if self.followed is not None else ""
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+
+def engine_proc(model: Path, nats_url: str, worker_id: str, data_dir: Path, *extra: str) -> Proc:
+    return Proc([PYTHON, "-m", "services.engine", str(model), "--model-id", "tiny", "--nats", nats_url,
+                 "--worker-id", worker_id, "--port", "0", "--data-dir", str(data_dir), *extra],
+                "llmgw engine ready")
+
+
+def accounting_proc(nats_url: str, db: Path, data_dir: Path) -> Proc:
+    return Proc([PYTHON, "-m", "services.accounting", "--nats", nats_url, "--db", str(db),
+                 "--data-dir", str(data_dir)], "llmgw accounting ready")
+
+
+def gateway_proc(nats_url: str, data_dir: Path, config: Path | None = None) -> Proc:
+    argv = [PYTHON, "-m", "services.gateway", "--nats", nats_url, "--port", "0", "--data-dir", str(data_dir),
+            "--gateway-id", "gwp"]
+    if config is not None:
+        argv += ["--config", str(config)]
+    return Proc(argv, "llmgw gateway ready", env={**os.environ, "LLMGW_LOG_LEVEL": "INFO"})
+
+
+@contextlib.contextmanager
+def procs() -> Iterator[list[Proc]]:
+    """Every process a test started is killed at the end, whatever happened."""
+    started: list[Proc] = []
+    try:
+        yield started
+    finally:
+        for p in started:
+            p.kill()
+
+
+@dataclass
+class InProcessGateway:
+    gateway: GatewayService
+    url: str
+    api_key: str
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+
+@contextlib.asynccontextmanager
+async def gateway_in_process(nats_url: str, data_dir: Path, raw_config: dict[str, Any] | None = None,
+                             **config: Any) -> AsyncIterator[InProcessGateway]:
+    async with contextlib.AsyncExitStack() as es:
+        nc = await connect(nats_url, "gateway")
+        es.push_async_callback(nc.close)
+        await ensure_bus(nc)
+        file_config = pool_config.parse(raw_config) if raw_config is not None else None
+        gateway = GatewayService(nc, GatewayConfig(gateway_id=config.pop("gateway_id", "gwt"), port=0,
+                                                   data_dir=data_dir, **config), file_config)
+        await es.enter_async_context(gateway.running())
+        url = await es.enter_async_context(gateway.serving())
+        assert gateway.bootstrap is not None
+        yield InProcessGateway(gateway, url, gateway.bootstrap[1])
+
+
+class LogCounter(logging.Handler):
+    """Counts log records by level from the loggers under ``prefixes``."""
+
+    def __init__(self, prefixes: tuple[str, ...] = ("services.gateway", "llmgw", "aiohttp")) -> None:
+        super().__init__(logging.DEBUG)
+        self.prefixes = prefixes
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith(self.prefixes):
+            self.records.append(record)
+
+    def count(self, level: int) -> int:
+        return sum(1 for r in self.records if r.levelno >= level)
+
+    def lines(self, level: int) -> list[str]:
+        return [f"{r.levelname} {r.name}: {r.getMessage()}" for r in self.records if r.levelno >= level]
+
+
+@pytest.fixture
+def gateway_logs() -> Iterator[LogCounter]:
+    counter = LogCounter()
+    root = logging.getLogger()
+    old = root.level
+    root.setLevel(logging.INFO)
+    root.addHandler(counter)
+    try:
+        yield counter
+    finally:
+        root.removeHandler(counter)
+        root.setLevel(old)
+
+
+async def read_usage(nats_url: str, timeout_s: float = 10.0) -> list[UsageRecord]:
+    """Every UsageRecord in the USAGE stream (an ephemeral consumer from the start)."""
+    nc = await connect(nats_url, "usage-reader")
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(subjects.STREAM_USAGE)
+        total = info.state.messages
+        sub = await js.pull_subscribe(subjects.USAGE_SUBJECTS, stream=subjects.STREAM_USAGE)
+        records: list[UsageRecord] = []
+        while len(records) < total:
+            try:
+                msgs = await sub.fetch(min(256, total - len(records)), timeout=timeout_s)
+            except TimeoutError:
+                raise_if_cancelling()
+                break
+            records += [decode(m.data, UsageRecord) for m in msgs]
+        return records
+    finally:
+        await nc.close()
+
+
+async def stream_count(nats_url: str, stream: str) -> int:
+    nc = await connect(nats_url, "counter")
+    try:
+        return int((await nc.jetstream().stream_info(stream)).state.messages)
+    finally:
+        await nc.close()
+
+
+async def sql(nats_url: str, query: str, timeout_s: float = 15.0) -> dict[str, Any]:
+    """One query over the bus (what ``llmgw sql`` sends)."""
+    import msgspec
+
+    nc = await connect(nats_url, "sql")
+    try:
+        msg = await nc.request(subjects.ACCOUNTING_SQL, msgspec.json.encode({"sql": query}), timeout=timeout_s)
+        return msgspec.json.decode(msg.data)  # type: ignore[no-any-return]
+    finally:
+        await nc.close()
