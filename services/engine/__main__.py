@@ -2,9 +2,10 @@
 the telemetry endpoints over HTTP, and with ``--nats`` (or ``NATS_URL``) join the bus as a worker.
 
 Accepts the runbook's command line verbatim (shared/reference/interop.md). Flags whose feature is not
-built yet stop the start with a message saying so; none is silently ignored: ``--spec mtp`` (MTP heads
-are not implemented) fails at start naming the alternatives, ``--spec ngram`` and ``--spec draft
---draft-model PATH`` serve.
+built yet stop the start with a message saying so; none is silently ignored. ``--spec ngram``, ``--spec
+draft --draft-model PATH`` and ``--spec mtp`` serve; ``--spec mtp`` on a checkpoint without ``mtp.*``
+tensors fails at start naming the alternatives. With ``--spec mtp`` the MTP module always uses the main
+LM head (it has none of its own), so ``--lm-head-draft`` is accepted and changes nothing.
 """
 
 from __future__ import annotations
@@ -57,14 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-capacity", type=int, help="KV cache size in tokens (default: from free memory)")
     parser.add_argument("--spec", choices=list(SPEC_METHODS), default="none",
                         help="speculative decoding: ngram (prompt lookup), draft (--draft-model), mtp (the "
-                             "checkpoint's MTP heads: not implemented, refused at start)")
+                             "checkpoint's own mtp.* module; refused at start when it has none)")
     parser.add_argument("--draft-model", type=Path,
                         help="draft checkpoint for --spec draft (smaller, same tokenizer as the model)")
     parser.add_argument("--draft-tokens", type=int,
                         help=f"draft tokens per speculative step ({MIN_DRAFT_TOKENS}..{MAX_DRAFT_TOKENS}, "
                              f"default {DEFAULT_DRAFT_TOKENS})")
     parser.add_argument("--lm-head-draft", action="store_true",
-                        help="draft logits through the main model's LM head (--spec draft or mtp)")
+                        help="draft logits through the main model's LM head: --spec draft; with --spec mtp "
+                             "that is always so (accepted, no effect)")
     parser.add_argument("--preserve-thinking", action="store_true",
                         help="keep <think> blocks of earlier assistant turns in the prompt")
     parser.add_argument("--electricity-rate", type=float, default=0.125, help="USD per kWh for /usage costs")

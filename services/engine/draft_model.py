@@ -142,7 +142,7 @@ class DraftModelProposer:
                 break
             logits = self.runner.run(seqs)
             for row, (t, seq) in enumerate(active):
-                token = self._sample(logits[row : row + 1], t, probs[t.request_id])
+                token = sample_draft(logits[row : row + 1], t, probs[t.request_id])
                 drafts[t.request_id].append(token)
                 if step == 0:
                     seq.num_computed_tokens = len(t.token_ids)  # the real tokens' draft K/V is now written
@@ -157,13 +157,16 @@ class DraftModelProposer:
             for rid, tokens in drafts.items()
         }
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, target: DraftTarget, probs_out: list[torch.Tensor]) -> int:
-        if target.params.is_greedy:
-            return int(logits.argmax(dim=-1))
-        q = sampling_probs(logits, target.params)
-        probs_out.append(q)
-        return int(torch.multinomial(q[0], 1, generator=target.generator))
+
+
+def sample_draft(logits: torch.Tensor, target: DraftTarget, probs_out: list[torch.Tensor]) -> int:
+    """One draft token from ``logits`` ``[1, V]``: the argmax for a greedy request, else a draw from the
+    request's sampling distribution, which is appended to ``probs_out`` (``q`` for the rejection test)."""
+    if target.params.is_greedy:
+        return int(logits.argmax(dim=-1))
+    q = sampling_probs(logits, target.params)
+    probs_out.append(q)
+    return int(torch.multinomial(q[0], 1, generator=target.generator))
 
 
 def check_compatible(

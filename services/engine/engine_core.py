@@ -30,8 +30,9 @@ from services.engine.errors import EngineError, InvalidParameterError
 from services.engine.kernels.backend import select_backend
 from services.engine.loader import load_model
 from services.engine.model_runner import ModelRunner
+from services.engine.mtp_proposer import MTPProposer, MTPRows
 from services.engine.rejection_sampler import verify_greedy, verify_random
-from services.engine.request import Request
+from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampler, sampling_probs
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
@@ -167,7 +168,7 @@ class EngineCore:
         self.config = config
         spec_config = config.spec.validate()
         if spec_config.method == "mtp":
-            check_mtp(Path(config.model_path))  # always raises: MTP heads are not implemented
+            check_mtp(Path(config.model_path))  # no mtp.* tensors: refused before the model loads
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.device = torch.device(config.device)
@@ -222,6 +223,7 @@ class EngineCore:
         self.spec_config = spec_config
         self.spec_counters: SpecDecodeCounters | None = None
         self.drafter: DraftModelProposer | None = None
+        self.mtp: MTPProposer | None = None
         # Draft distributions of pending model drafts of sampled requests, by request id.
         self._draft_probs: dict[str, torch.Tensor] = {}
         if spec_config.is_enabled:
@@ -234,6 +236,13 @@ class EngineCore:
                 num_target_blocks=self.kv_cache.num_blocks, block_size=config.block_size,
                 max_concurrency=config.max_concurrency, max_context=self.max_context, kv_dtype=config.kv_dtype,
                 lm_head_draft=spec_config.lm_head_draft, device=self.device,
+            )
+        if spec_config.method == "mtp":
+            self.mtp = MTPProposer(
+                Path(config.model_path), target=self.model, target_config=self.model_config,
+                num_draft_tokens=spec_config.num_draft_tokens, num_target_blocks=self.kv_cache.num_blocks,
+                block_size=config.block_size, max_concurrency=config.max_concurrency, kv_dtype=config.kv_dtype,
+                device=self.device,
             )
 
     # ---- intake -------------------------------------------------------------------------------------
@@ -284,10 +293,13 @@ class EngineCore:
         plan = self.scheduler.schedule(now())
         if plan.is_empty:
             return []
-        logits = self.runner.run(plan.scheduled)
+        if self.mtp is not None:
+            logits, hidden = self.runner.run_with_hidden(plan.scheduled)
+        else:
+            logits, hidden = self.runner.run(plan.scheduled), None
         if self.spec_counters is not None:
             outputs = self._speculative_step(plan, logits, now)
-            self._propose_drafts()
+            self._propose_drafts(plan, hidden)
             return outputs
         sampled_seqs = [s for s in plan.scheduled if s.needs_logits]
         requests = [self.scheduler.get_request(s.request_id) for s in sampled_seqs]
@@ -419,8 +431,9 @@ class EngineCore:
             del self._states[request.request_id]
         return self._output(request, text, tuple(tokens), now)
 
-    def _propose_drafts(self) -> None:
-        """Give every caught-up running request (one token short of its KV) drafts for the next step."""
+    def _propose_drafts(self, plan: SchedulerOutput, hidden: torch.Tensor | None) -> None:
+        """Give every caught-up running request (one token short of its KV) drafts for the next step.
+        ``hidden``: the step's target hidden states (``--spec mtp`` only), which the MTP reads."""
         spec = self.spec_config
         running = self.scheduler.running
         live = {r.request_id for r in running}
@@ -438,17 +451,26 @@ class EngineCore:
             k = min(spec.num_draft_tokens, request.sampling_params.max_tokens - request.num_output_tokens - 1)
             if k > 0:
                 wanted.append((request, k))
-        if not wanted:
+        if self.mtp is not None:
+            assert hidden is not None
+            # Runs even when no request wants drafts: the MTP's K/V must cover every computed position.
+            targets = {request.request_id: DraftTarget(request.request_id, request.all_token_ids, k,
+                                                       request.sampling_params,
+                                                       self._states[request.request_id].generator)
+                       for request, k in wanted}
+            proposals = self.mtp.propose(self._mtp_rows(plan, hidden), targets)
+        elif not wanted:
             return
-        if self.drafter is None:
+        elif self.drafter is None:
             for request, k in wanted:
                 request.spec_token_ids = propose_ngram(request.all_token_ids, k, spec.ngram_max, spec.ngram_min)
             return
-        proposals = self.drafter.propose([
-            DraftTarget(request.request_id, request.all_token_ids, k, request.sampling_params,
-                        self._states[request.request_id].generator)
-            for request, k in wanted
-        ])
+        else:
+            proposals = self.drafter.propose([
+                DraftTarget(request.request_id, request.all_token_ids, k, request.sampling_params,
+                            self._states[request.request_id].generator)
+                for request, k in wanted
+            ])
         for request, _k in wanted:
             proposal = proposals.get(request.request_id)
             self._draft_probs.pop(request.request_id, None)
@@ -457,6 +479,24 @@ class EngineCore:
             request.spec_token_ids = proposal.token_ids
             if proposal.probs is not None:
                 self._draft_probs[request.request_id] = proposal.probs
+
+    def _mtp_rows(self, plan: SchedulerOutput, hidden: torch.Tensor) -> list[MTPRows]:
+        """Each still-running request's kept positions of this step (``start_pos`` up to its
+        ``num_computed_tokens`` now: a rejected draft's position is not kept) with the token after each
+        and the target's hidden state there; ``hidden``'s rows follow ``plan.scheduled``'s tokens."""
+        rows: list[MTPRows] = []
+        offset = 0
+        for seq in plan.scheduled:
+            request = self.scheduler.get_request(seq.request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                num_kept = request.num_computed_tokens - seq.start_pos
+                if num_kept > 0:
+                    first = seq.start_pos + 1
+                    rows.append(MTPRows(seq.request_id, seq.start_pos,
+                                        request.all_token_ids[first : first + num_kept],
+                                        hidden[offset : offset + num_kept], tuple(request.block_ids)))
+            offset += len(seq.token_ids)
+        return rows
 
     def _output(self, request: Request, text: str, token_ids: tuple[int, ...], now: float) -> RequestOutput:
         timings = None
@@ -511,4 +551,7 @@ class EngineCore:
         if self.drafter is not None:
             what += (f" from {spec.draft_model_path} ({self.drafter.num_params / 1e6:.1f}M params"
                      f"{', target LM head' if spec.lm_head_draft else ''})")
+        if self.mtp is not None:
+            what += (f" from the checkpoint's MTP module ({self.mtp.num_params / 1e6:.2f}M params, "
+                     f"main LM head, {math.ceil(self.mtp.kv_cache.nbytes / 2**20)} MiB KV)")
         return what

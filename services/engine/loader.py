@@ -6,7 +6,8 @@ transformers' (``model.layers.N.self_attn.q_proj.weight`` … ``lm_head.weight``
 implies must be present with exactly the expected shape; anything else in the files (e.g. an old
 ``rotary_emb.inv_freq``) is ignored. q/k/v and gate/up are copied into slices of the model's fused
 weights. With ``tie_word_embeddings`` the LM head *is* the embedding, and ``lm_head.weight`` is not read
-even if present (transformers does the same).
+even if present (transformers does the same). ``mtp.*`` tensors (a multi-token-prediction module) are
+ignored by :func:`load_model` and read by :func:`load_mtp_head` only when ``--spec mtp`` asks for them.
 
 Every failure is a ModelLoadError whose reason is one line naming the file, key or tensor at fault.
 """
@@ -14,7 +15,7 @@ Every failure is a ModelLoadError whose reason is one line naming the file, key 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import cast
@@ -26,6 +27,7 @@ from services.engine.errors import ModelLoadError
 from services.engine.kernels.backend import Backend
 from services.engine.model import CausalLM, DecoderLayer
 from services.engine.model_config import DTYPES, ModelConfig
+from services.engine.mtp_head import MTP_PREFIX, MTPHead
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,7 +50,30 @@ def load_model(
     files = _tensor_files(root)
 
     model = CausalLM(config, dtype=target_dtype, device=device, backend=backend)
-    expected = _expected_shapes(config)
+    _copy_tensors(root, files, _expected_shapes(config), lambda name: _destination(model, config, name), target_dtype)
+    return model.eval(), config
+
+
+def load_mtp_head(path: str | Path, model: CausalLM, config: ModelConfig) -> MTPHead:
+    """Read the checkpoint's ``mtp.*`` tensors (Qwen3-Next naming, one module) into an MTPHead that shares
+    ``model``'s embedding and LM head, in ``model``'s dtype and device. Checkpoints without them, or with
+    more than one module, are a ModelLoadError (``spec_decode.check_mtp`` words the first case for users)."""
+    root = Path(path)
+    files = _tensor_files(root)
+    if config.num_mtp_layers > 1:
+        raise ModelLoadError(str(root), f"config names {config.num_mtp_layers} MTP modules; only 1 is supported")
+    if not any(name.startswith(MTP_PREFIX) for name in files):
+        raise ModelLoadError(str(root), f"no {MTP_PREFIX}* tensors (the checkpoint has no MTP module)")
+    device = model.embed_tokens.device
+    head = MTPHead(config, model, dtype=model.dtype, device=device)
+    _copy_tensors(root, files, _mtp_expected_shapes(config), lambda name: _mtp_destination(head, config, name),
+                  model.dtype)
+    return head.eval()
+
+
+def _copy_tensors(root: Path, files: dict[str, str], expected: dict[str, tuple[int, ...]],
+                  destination: Callable[[str], torch.Tensor], dtype: torch.dtype) -> None:
+    """Copy every ``expected`` tensor (name → shape) from the checkpoint into ``destination(name)``."""
     with ExitStack() as stack:
         handles = {}
         for name, file in files.items():
@@ -68,8 +93,7 @@ def load_model(
                 raise ModelLoadError(
                     str(root / source), f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
                 )
-            _destination(model, config, name).copy_(tensor.to(target_dtype))
-    return model.eval(), config
+            destination(name).copy_(tensor.to(dtype))
 
 
 def checkpoint_tensor_names(path: str | Path) -> set[str]:
@@ -114,10 +138,9 @@ def _tensor_files(root: Path) -> dict[str, str]:
         raise ModelLoadError(str(single), f"cannot read safetensors file: {exc}") from exc
 
 
-def _layer_tensors(config: ModelConfig, i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _layer_tensors(config: ModelConfig, prefix: str) -> Iterator[tuple[str, tuple[int, ...]]]:
     h, d = config.hidden_size, config.head_dim
     q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
-    prefix = f"model.layers.{i}"
     yield f"{prefix}.input_layernorm.weight", (h,)
     yield f"{prefix}.post_attention_layernorm.weight", (h,)
     for proj, rows in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
@@ -141,11 +164,38 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "model.embed_tokens.weight": (config.vocab_size, config.hidden_size)
     }
     for i in range(config.num_hidden_layers):
-        shapes.update(_layer_tensors(config, i))
+        shapes.update(_layer_tensors(config, f"model.layers.{i}"))
     shapes["model.norm.weight"] = (config.hidden_size,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
     return shapes
+
+
+def _mtp_expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The MTP module's tensors (Qwen3-Next naming): two pre-fc norms, ``fc`` ``[H, 2H]`` (input: the
+    normed embedding then the normed hidden state), one decoder layer named like the model's, a final norm."""
+    h = config.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{MTP_PREFIX}pre_fc_norm_embedding.weight": (h,),
+        f"{MTP_PREFIX}pre_fc_norm_hidden.weight": (h,),
+        f"{MTP_PREFIX}fc.weight": (h, 2 * h),
+    }
+    shapes.update(_layer_tensors(config, f"{MTP_PREFIX}layers.0"))
+    shapes[f"{MTP_PREFIX}norm.weight"] = (h,)
+    return shapes
+
+
+def _mtp_destination(head: MTPHead, config: ModelConfig, name: str) -> torch.Tensor:
+    leaf = name.removeprefix(MTP_PREFIX)
+    if leaf == "pre_fc_norm_embedding.weight":
+        return head.pre_fc_norm_embedding.weight.data
+    if leaf == "pre_fc_norm_hidden.weight":
+        return head.pre_fc_norm_hidden.weight.data
+    if leaf == "fc.weight":
+        return head.fc_weight.data
+    if leaf == "norm.weight":
+        return head.norm.weight.data
+    return _layer_destination(head.layer, config, leaf.split(".", 2)[2])  # "layers.0.<leaf>"
 
 
 def _destination(model: CausalLM, config: ModelConfig, name: str) -> torch.Tensor:
@@ -156,9 +206,13 @@ def _destination(model: CausalLM, config: ModelConfig, name: str) -> torch.Tenso
         return model.norm.weight.data
     if name == "lm_head.weight":
         return model.lm_head.data
-    _, _, index, module, *rest = name.split(".")
-    layer = cast(DecoderLayer, model.layers[int(index)])
-    leaf = ".".join([module, *rest])
+    _, _, index, leaf = name.split(".", 3)
+    return _layer_destination(cast(DecoderLayer, model.layers[int(index)]), config, leaf)
+
+
+def _layer_destination(layer: DecoderLayer, config: ModelConfig, leaf: str) -> torch.Tensor:
+    """The tensor (or fused slice) of ``layer`` that its checkpoint tensor ``leaf`` (e.g.
+    ``self_attn.q_proj.weight``) is copied into."""
     q_size = config.num_attention_heads * config.head_dim
     kv_size = config.num_key_value_heads * config.head_dim
     qkv_slices = {
@@ -196,4 +250,4 @@ def _destination(model: CausalLM, config: ModelConfig, name: str) -> torch.Tenso
             return mlp.gate_up_weight.data[config.intermediate_size :]
         case ["mlp", "down_proj", "weight"]:
             return mlp.down_weight.data
-    raise AssertionError(f"no destination for {name}")  # _expected_shapes and this table disagree
+    raise AssertionError(f"no destination for {leaf}")  # _expected_shapes and this table disagree

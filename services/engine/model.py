@@ -105,6 +105,17 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``signed_sin`` ``[T, 1, head_dim]`` in ``dtype`` for ``positions`` ``[T]`` (see _apply_rope)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """``x`` ``[T, H, D]``; ``cos``/``signed_sin`` ``[T, 1, D]`` in x's dtype.
 
@@ -270,11 +281,7 @@ class CausalLM(nn.Module):
         if self.backend == "triton":
             return self._forward_triton(input_ids, positions, meta, kv_cache)
         x = F.embedding(input_ids, self.embed_tokens)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # see _apply_rope
+        cos, signed_sin = rope_tables(positions, self.inv_freq, x.dtype)
         for layer in self.layers:
             x = layer.forward(x, cos, signed_sin, meta, kv_cache, self.attention)
         return rms_norm(x, self.norm.weight, self.norm.eps)

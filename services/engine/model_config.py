@@ -85,6 +85,9 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Multi-token-prediction modules stored as ``mtp.*`` tensors (DeepSeek-V3 ``num_nextn_predict_layers``,
+    # Qwen3-Next ``mtp_num_hidden_layers``); 0 when the config names none. Only ``--spec mtp`` loads them.
+    num_mtp_layers: int = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -185,6 +188,7 @@ class ModelConfig:
             qk_norm=family == "qwen3",
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
+            num_mtp_layers=int(d.get("num_nextn_predict_layers") or d.get("mtp_num_hidden_layers") or 0),
         )
 
 

@@ -70,8 +70,14 @@ class ModelRunner:
 
         A sequence with ``num_draft_tokens = k > 0`` (speculative verification) contributes ``1 + k``
         rows, its last ``1 + k`` positions in order, instead of one."""
+        return self.run_with_hidden(seqs)[0]
+
+    def run_with_hidden(self, seqs: Sequence[StepSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`run`, plus the final-normed hidden states ``[T, hidden_size]`` of every token of the
+        step (``seqs``' ``token_ids`` concatenated in order): what an MTP drafter reads."""
         if not seqs:
-            return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
+            empty = torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
+            return empty, torch.empty((0, self.config.hidden_size), dtype=self.model.dtype, device=self.device)
         input_ids: list[int] = []
         logit_rows: list[int] = []
         spans: list[SeqSpan] = []
@@ -88,6 +94,6 @@ class ModelRunner:
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             hidden = self.model(ids, positions, meta, self.kv_cache)
             if not logit_rows:
-                return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
+                return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device), hidden
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-            return self.model.compute_logits(hidden[rows])
+            return self.model.compute_logits(hidden[rows]), hidden

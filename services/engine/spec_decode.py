@@ -9,8 +9,8 @@ what:
 
 * :class:`SpecConfig`: the method and ``K``, validated once at start;
 * proposers: :func:`propose_ngram` here (no weights), ``draft_model.DraftModelProposer`` (a smaller
-  checkpoint with the same vocabulary); MTP heads are not implemented (``--spec mtp`` fails at start,
-  see :func:`check_mtp`);
+  checkpoint with the same vocabulary), ``mtp_proposer.MTPProposer`` (the checkpoint's own ``mtp.*``
+  module; a checkpoint without one is refused at start, see :func:`check_mtp`);
 * the scheduler plans the ``1 + K`` positions and rolls rejected ones back (``scheduler.py``);
 * :class:`SpecDecodeCounters`: what /usage, /metrics and the final chunk's timings report, with vLLM's
   meanings (``num_drafts``: verifications with at least one draft token; ``num_accepted_tokens``:
@@ -44,12 +44,13 @@ class SpecConfig:
 
     - ``method``: "none"; "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence
       of the sequence's last ``ngram_max`` .. ``ngram_min`` tokens); "draft" (``draft_model_path``, a
-      smaller checkpoint with the target's vocabulary); "mtp" (the checkpoint's own MTP heads: not
-      implemented, refused at start).
+      smaller checkpoint with the target's vocabulary); "mtp" (the checkpoint's own MTP module, ``mtp.*``
+      tensors, run recursively for ``K > 1``; see ``mtp_head``).
     - ``num_draft_tokens``: ``K``, draft tokens per step, 1..15.
-    - ``lm_head_draft``: the draft model's logits come from the *target's* LM head applied to the draft's
-      final hidden state (the draft's own head is not used; hidden sizes must match). Only meaningful
-      for a model drafter: with "ngram", which has no logits, it is refused.
+    - ``lm_head_draft``: the draft logits come from the *target's* LM head. With "draft": applied to the
+      draft model's final hidden state (its own head is not used; hidden sizes must match). With "mtp":
+      what always happens, since the MTP layout has no head of its own (it shares the main embedding and
+      LM head), so the flag is accepted and changes nothing. With "ngram", which has no logits, refused.
     """
 
     method: SpecMethod = "none"
@@ -90,21 +91,16 @@ class SpecConfig:
 
 
 def check_mtp(model_path: Path) -> None:
-    """Refuse ``--spec mtp`` at start: with a clear alternative when the checkpoint has no ``mtp.*``
-    tensors, and plainly (not implemented) when it has them."""
+    """Refuse ``--spec mtp`` at start, with the alternatives, when the checkpoint has no ``mtp.*`` tensors.
+    (A checkpoint that has some but not the whole module fails in the loader, naming the missing tensor.)"""
     try:
         names = checkpoint_tensor_names(model_path)
     except ModelLoadError:
-        names = set()  # the model load that follows reports the broken checkpoint itself
-    mtp = sorted(n for n in names if n.startswith(("mtp.", "model.mtp.")))
-    if not mtp:
+        return  # the model load that follows reports the broken checkpoint itself
+    if not any(n.startswith("mtp.") for n in names):
         raise SpeculativeDecodingError(
             f"{model_path} has no MTP weights (mtp.* tensors); use --spec ngram or --spec draft --draft-model PATH"
         )
-    raise SpeculativeDecodingError(
-        f"{model_path} has {len(mtp)} MTP tensors, but this engine does not implement MTP heads yet (issue #11); "
-        "use --spec ngram or --spec draft --draft-model PATH"
-    )
 
 
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, max_n: int = 3, min_n: int = 1) -> list[int]:

@@ -141,7 +141,7 @@ def _config(
     return config
 
 
-def _weights(arch: str, sizes: _Sizes, seed: int) -> dict[str, torch.Tensor]:
+def _weights(arch: str, sizes: _Sizes, seed: int, mtp_layers: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
 
     def linear(rows: int, cols: int) -> torch.Tensor:
@@ -160,8 +160,7 @@ def _weights(arch: str, sizes: _Sizes, seed: int) -> dict[str, torch.Tensor]:
     # answer "the input token again" every step.
     embed_std = 0.1 if sizes.tie_word_embeddings else 0.5
     tensors = {"model.embed_tokens.weight": embed_std * torch.randn(sizes.vocab_size, h, generator=gen)}
-    for i in range(sizes.num_layers):
-        p = f"model.layers.{i}"
+    def layer(p: str) -> None:
         tensors[f"{p}.input_layernorm.weight"] = norm(h)
         tensors[f"{p}.post_attention_layernorm.weight"] = norm(h)
         tensors[f"{p}.self_attn.q_proj.weight"] = linear(q_size, h)
@@ -178,9 +177,18 @@ def _weights(arch: str, sizes: _Sizes, seed: int) -> dict[str, torch.Tensor]:
         tensors[f"{p}.mlp.gate_proj.weight"] = linear(inter, h)
         tensors[f"{p}.mlp.up_proj.weight"] = linear(inter, h)
         tensors[f"{p}.mlp.down_proj.weight"] = linear(h, inter)
+    for i in range(sizes.num_layers):
+        layer(f"model.layers.{i}")
     tensors["model.norm.weight"] = norm(h)
     if not sizes.tie_word_embeddings:
         tensors["lm_head.weight"] = linear(sizes.vocab_size, h)
+    # Drawn last, so the model's own tensors are the same with or without an MTP module.
+    if mtp_layers:
+        tensors["mtp.pre_fc_norm_embedding.weight"] = norm(h)
+        tensors["mtp.pre_fc_norm_hidden.weight"] = norm(h)
+        tensors["mtp.fc.weight"] = linear(h, 2 * h)
+        layer("mtp.layers.0")
+        tensors["mtp.norm.weight"] = norm(h)
     return tensors
 
 
@@ -218,16 +226,23 @@ def write_tiny_checkpoint(
     num_shards: int = 1,
     rope_scaling: dict[str, object] | None = None,
     max_position_embeddings: int = 4096,
+    mtp_layers: int = 0,
 ) -> Path:
     """Write a random-weight checkpoint of family ``arch`` ("llama" | "qwen2" | "qwen3") into ``path``
     (created if needed) and return it. ``head_dim`` defaults to hidden_size // num_heads; Llama and Qwen3
-    record it in config.json, Qwen2 cannot (its config has no such key), so Qwen2 ignores the argument."""
+    record it in config.json, Qwen2 cannot (its config has no such key), so Qwen2 ignores the argument.
+
+    ``mtp_layers=1`` adds a random multi-token-prediction module (``mtp.*`` tensors, Qwen3-Next naming, see
+    ``mtp_head``) and its config key: ``mtp_num_hidden_layers`` (Qwen3-Next's) for qwen3,
+    ``num_nextn_predict_layers`` (DeepSeek's) otherwise, so both spellings get exercised."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if mtp_layers not in (0, 1):
+        raise ValueError(f"mtp_layers must be 0 or 1, got {mtp_layers}")
     if arch == "qwen2" or head_dim is None:
         head_dim = hidden_size // num_heads
     out = Path(path)
@@ -256,7 +271,9 @@ def write_tiny_checkpoint(
         bos_token_id=bos_id,
         eos_token_id=eos_id,
     )
-    tensors = _weights(arch, sizes, seed)
+    if mtp_layers:
+        config["mtp_num_hidden_layers" if arch == "qwen3" else "num_nextn_predict_layers"] = mtp_layers
+    tensors = _weights(arch, sizes, seed, mtp_layers)
     tensors = {name: t.to(_DTYPES[dtype]).contiguous() for name, t in tensors.items()}
 
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -280,6 +297,48 @@ def write_tiny_checkpoint(
     return out
 
 
+def mirror_mtp(path: str | Path, *, exact: bool = True) -> Path:
+    """Rewrite the MTP module of a single-file checkpoint (written with ``mtp_layers=1``) into a copy of the
+    model's first layer, so that it predicts what the model will say next.
+
+    The MTP gets a copy of layer 0 and of the final norm, and an ``fc`` that keeps the normed embedding and
+    drops the hidden state (``[I | 0]``). Its row ``p`` then runs the model's first layer over the tokens
+    ``x[1] .. x[p + 1]`` (RoPE is relative, so the shift by one position does not matter), i.e. it guesses
+    ``x[p + 2]`` as a one-layer truncation of the model would, except that ``x[0]`` is out of its view.
+
+    ``exact`` (one-layer, untied checkpoints only) makes the guess exact: the model's attention output is
+    zeroed (its next token then depends on the current token only), embeddings are scaled to RMS 1 and the
+    norm before ``fc`` gets unit weights (so it is the identity up to its epsilon): every greedy draft is
+    accepted. Otherwise the model is left untouched and that norm's weight is the embeddings' mean RMS, an
+    approximation. Either way this is a construction: it says nothing about a trained head's acceptance."""
+    from safetensors.torch import load_file
+
+    out = Path(path)
+    config = json.loads((out / "config.json").read_text())
+    if exact and (config["num_hidden_layers"] != 1 or config.get("tie_word_embeddings")):
+        raise ValueError("mirror_mtp(exact=True) needs a one-layer checkpoint with an untied LM head")
+    tensors = load_file(str(out / "model.safetensors"))
+    if "mtp.fc.weight" not in tensors:
+        raise ValueError(f"{out} has no MTP module (write it with mtp_layers=1)")
+    h = int(config["hidden_size"])
+    dtype = tensors["mtp.fc.weight"].dtype
+    embed = tensors["model.embed_tokens.weight"]
+    rms = embed.float().pow(2).mean(-1, keepdim=True).sqrt()
+    if exact:
+        tensors["model.embed_tokens.weight"] = (embed.float() / rms).to(embed.dtype)
+        o_proj = "model.layers.0.self_attn.o_proj.weight"
+        tensors[o_proj] = torch.zeros_like(tensors[o_proj])
+        tensors["mtp.pre_fc_norm_embedding.weight"] = torch.ones(h, dtype=dtype)
+    else:
+        tensors["mtp.pre_fc_norm_embedding.weight"] = torch.full((h,), float(rms.mean()), dtype=dtype)
+    for name in [n for n in tensors if n.startswith("model.layers.0.")]:
+        tensors["mtp.layers.0." + name.removeprefix("model.layers.0.")] = tensors[name].clone()
+    tensors["mtp.fc.weight"] = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1).to(dtype)
+    tensors["mtp.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write a tiny random-weight HF checkpoint.")
     parser.add_argument("out_dir", type=Path)
@@ -295,6 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-shards", type=int, default=1)
+    parser.add_argument("--mtp-layers", type=int, choices=[0, 1], default=0,
+                        help="add a random MTP module (mtp.* tensors) for --spec mtp")
     args = parser.parse_args(argv)
     path = write_tiny_checkpoint(
         args.out_dir,
@@ -310,6 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         seed=args.seed,
         num_shards=args.num_shards,
+        mtp_layers=args.mtp_layers,
     )
     print(path)
 

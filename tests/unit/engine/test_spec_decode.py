@@ -25,7 +25,7 @@ from services.common.runtime import ConfigError
 from services.engine.__main__ import add_arguments, build_config
 from services.engine.block_pool import BlockPool
 from services.engine.engine_core import EngineConfig, EngineCore, RequestOutput
-from services.engine.errors import SpeculativeDecodingError
+from services.engine.errors import ModelLoadError, SpeculativeDecodingError
 from services.engine.llm import greedy
 from services.engine.rejection_sampler import verify_greedy, verify_random
 from services.engine.request import Request
@@ -408,7 +408,7 @@ def test_spec_mtp_on_a_checkpoint_without_mtp_weights_fails_at_start_naming_the_
         make_core(target, SpecConfig(method="mtp"))
 
 
-def test_spec_mtp_on_a_checkpoint_with_mtp_weights_says_mtp_is_not_implemented(qwen3: Path, tmp_path: Path) -> None:
+def test_spec_mtp_on_a_checkpoint_with_a_partial_mtp_module_names_a_missing_tensor(qwen3: Path, tmp_path: Path) -> None:
     target = qwen3
     ckpt = tmp_path / "with-mtp"
     ckpt.mkdir()
@@ -417,7 +417,7 @@ def test_spec_mtp_on_a_checkpoint_with_mtp_weights_says_mtp_is_not_implemented(q
     tensors = load_file(str(ckpt / "model.safetensors"))
     tensors["mtp.fc.weight"] = torch.zeros(4, 4)
     save_file(tensors, str(ckpt / "model.safetensors"))
-    with pytest.raises(SpeculativeDecodingError, match="does not implement MTP heads"):
+    with pytest.raises(ModelLoadError, match=r"missing tensor 'mtp\.pre_fc_norm_embedding\.weight'"):
         make_core(ckpt, SpecConfig(method="mtp"))
 
 
