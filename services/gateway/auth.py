@@ -81,6 +81,7 @@ class Auth:
         self.max_concurrent_per_key = max_concurrent_per_key
         self.throttle = LoginThrottle()
         self._day = ""
+        self._day_index = -1
         self._used: dict[str, int] = {}
         self._dirty = False
         self._open: collections.Counter[str] = collections.Counter()
@@ -151,6 +152,10 @@ class Auth:
         return self._used.get(key_id, 0)
 
     def _roll_day(self, now_s: float) -> None:
+        day_index = int(now_s // 86400)  # UTC days are 86,400 epoch seconds each: no calendar work per request
+        if day_index == self._day_index:
+            return
+        self._day_index = day_index
         day = utc_day(now_s)
         if day != self._day:
             if self._dirty:

@@ -34,7 +34,7 @@ class Fleet:
 
     def observe(self, hb: SlotHeartbeat, now_s: float) -> bool:
         """Record a heartbeat; returns False for one older than what we hold (out of order)."""
-        rec = self.members.setdefault(hb.worker_id, MemberRecord())
+        rec = self.record(hb.worker_id)
         current = rec.heartbeat
         if current is not None and current.session_id == hb.session_id:
             if hb.seq <= current.seq:
@@ -54,7 +54,10 @@ class Fleet:
         return True
 
     def record(self, member_id: str) -> MemberRecord:
-        return self.members.setdefault(member_id, MemberRecord())
+        rec = self.members.get(member_id)  # not setdefault: it would build a record (and a deque) every call
+        if rec is None:
+            rec = self.members[member_id] = MemberRecord()
+        return rec
 
     def bus_workers(self, model_id: str | None = None) -> list[str]:
         """Bus workers (any model, or serving ``model_id``), in id order."""

@@ -14,7 +14,6 @@ import json
 import logging
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +119,7 @@ class GatewayService:
         self.rng = rng or random.Random()
         self._usage_queue: asyncio.Queue[UsageRecord] = asyncio.Queue(maxsize=config.usage_buffer)
         self._seq = 0
+        self._request_count = 0
         self.usage_published = 0
         self._config_mtime: float | None = None
 
@@ -505,7 +505,8 @@ class GatewayService:
         except BaseException:
             self.auth.finished(key, 0, time.time())
             raise
-        request_id = f"req-{uuid.uuid4().hex}"
+        self._request_count += 1  # unique across gateways and restarts: the session id is random per start
+        request_id = f"req-{self.session_id}-{self._request_count:x}"
         api_key_id = key.key_id if key is not None else None
         started, wall = time.monotonic(), time.time()
         outcome = _Outcome(pool=resolved.pool.name)
