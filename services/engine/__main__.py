@@ -55,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="KV cache storage dtype")
     parser.add_argument("--max-concurrency", type=int, default=8, help="lanes: requests running at once")
     parser.add_argument("--max-pending-requests", type=int, default=64, help="bounded waiting queue")
-    parser.add_argument("--kv-capacity", type=int, help="KV cache size in tokens (default: from free memory)")
+    parser.add_argument("--kv-capacity", type=_kv_capacity, metavar="TOKENS|auto",
+                        help="KV cache size in tokens; auto (the default): sized from free VRAM on a GPU, free RAM "
+                             "on the CPU (the start-up log prints the free-memory line and the capacity chosen)")
     parser.add_argument("--spec", choices=list(SPEC_METHODS), default="none",
                         help="speculative decoding: ngram (prompt lookup), draft (--draft-model), mtp (the "
                              "checkpoint's own mtp.* module; refused at start when it has none)")
@@ -106,6 +108,16 @@ def build_spec_config(args: argparse.Namespace) -> SpecConfig:
                                            "--lm-head-draft applies to --spec draft or mtp")
     return SpecConfig(method=args.spec, num_draft_tokens=k, draft_model_path=args.draft_model,
                       lm_head_draft=args.lm_head_draft)
+
+
+def _kv_capacity(text: str) -> int | None:
+    """``--kv-capacity``: a token count, or ``auto`` (None: sized from free memory)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
 
 
 def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, WorkerConfig]:

@@ -270,3 +270,18 @@ def test_an_incomplete_mtp_module_fails_naming_the_missing_tensor(qwen3_mtp: Pat
     save_file(tensors, str(broken / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"missing tensor 'mtp\.norm\.weight'"):
         make_core(broken, SpecConfig(method="mtp"))
+
+
+def test_the_whole_runbook_command_line_parses_with_kv_capacity_auto(qwen3_mtp: Path, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = [str(qwen3_mtp), "--host", "0.0.0.0", "--port", "8006", "--model-id", "qwen3.8-27b",
+            "--max-context", "256", "--kv-dtype", "fp8", "--max-concurrency", "8", "--max-pending-requests", "64",
+            "--spec", "mtp", "--draft-tokens", "4", "--lm-head-draft", "--preserve-thinking",
+            "--electricity-rate", "0.125", "--metrics-state", str(tmp_path / "metrics-state.json"),
+            "--kv-capacity", "auto", "--data-dir", str(tmp_path)]
+    engine, serve, _ = build_config(parser.parse_args(argv))
+    assert engine.kv_capacity_tokens is None and engine.kv_dtype == "fp8" and engine.spec.method == "mtp"
+    assert serve.port == 8006
+    with pytest.raises(SystemExit):
+        parser.parse_args([str(qwen3_mtp), "--kv-capacity", "lots"])
