@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1/* (also $NINFER_API_KEY)")
     parser.add_argument("--nats", help="join the bus as a worker at this NATS URL (also $NATS_URL)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("LLMGW_ENGINE_THREADS", "0")) or None,
+                        help="torch CPU threads for the model (default on the CPU: one fewer than the cores, so "
+                             "the event loop and the HTTP/bus I/O keep a core; also $LLMGW_ENGINE_THREADS)")
     parser.add_argument("--backend", choices=["auto", "torch", "triton"], default=None,
                         help="kernels: auto = Triton on CUDA, else torch (default; also $LLMGW_ENGINE_BACKEND)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype")
@@ -153,6 +156,7 @@ def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, W
         kv_capacity_tokens=args.kv_capacity, max_concurrency=args.max_concurrency,
         max_pending_requests=args.max_pending_requests, max_context=args.max_context,
         preserve_thinking=args.preserve_thinking, spec=spec, backend=args.backend,
+        torch_threads=args.threads or (max(1, (os.cpu_count() or 1) - 1) if args.device == "cpu" else None),
     )
     try:
         select_backend(args.device, args.backend)  # a backend that cannot run here stops the start, named
