@@ -123,6 +123,40 @@ def serve_null(port: int) -> None:
 # aiohttp fallback load generator (runs in its own process)
 
 
+class _Recorder:
+    """Latencies (µs) of the successful requests and the count of failed ones, for one load run."""
+
+    def __init__(self, url: str, body: str, headers_json: str) -> None:
+        self.url, self.data = url, body.encode()
+        self.headers = {"Content-Type": "application/json", **json.loads(headers_json)}
+        self.latencies_us: list[float] = []
+        self.errors = 0
+
+    async def post(self, session, started: float) -> None:  # type: ignore[no-untyped-def]
+        """One request; its latency runs from ``started`` (perf_counter seconds)."""
+        import aiohttp
+
+        try:
+            async with session.post(self.url, data=self.data, headers=self.headers) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except aiohttp.ClientError:
+            ok = False
+        if ok:
+            self.latencies_us.append((time.perf_counter() - started) * 1e6)
+        else:
+            self.errors += 1
+
+    def print_result(self, duration_s: float) -> None:
+        lat = sorted(self.latencies_us)
+
+        def pct(q: float) -> float:
+            return lat[min(len(lat) - 1, int(q / 100 * len(lat)))] if lat else float("nan")
+
+        print("RESULT " + json.dumps({"requests": len(lat) + self.errors, "duration_s": duration_s,
+                                      "errors": self.errors, "p50_us": pct(50), "p99_us": pct(99)}), flush=True)
+
+
 def serve_rate(url: str, body: str, rate: float, duration: float, headers_json: str) -> None:
     """Open loop: request i is due at t0 + i/rate whether or not earlier ones finished; its latency runs
     from when it was due (so a stall is charged to every request it delayed: no coordinated omission)."""
@@ -130,87 +164,42 @@ def serve_rate(url: str, body: str, rate: float, duration: float, headers_json: 
 
     import aiohttp
 
-    headers = {"Content-Type": "application/json", **json.loads(headers_json)}
-    data = body.encode()
+    recorder = _Recorder(url, body, headers_json)
 
     async def main() -> None:
-        lat: list[float] = []
-        errors = 0
-        total = int(rate * duration)
-        conn = aiohttp.TCPConnector(limit=512)
-        async with aiohttp.ClientSession(connector=conn) as session:
-            async def one(due: float) -> None:
-                nonlocal errors
-                try:
-                    async with session.post(url, data=data, headers=headers) as resp:
-                        await resp.read()
-                        ok = resp.status == 200
-                except aiohttp.ClientError:
-                    ok = False
-                if ok:
-                    lat.append((time.perf_counter() - due) * 1e6)
-                else:
-                    errors += 1
-
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512)) as session:
             tasks = []
             t0 = time.perf_counter() + 0.05
-            for i in range(total):
+            for i in range(int(rate * duration)):
                 due = t0 + i / rate
                 delay = due - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(due)))
+                tasks.append(asyncio.create_task(recorder.post(session, due)))
             await asyncio.gather(*tasks)
-            elapsed = time.perf_counter() - t0
-        lat.sort()
-
-        def pct(q: float) -> float:
-            return lat[min(len(lat) - 1, int(q / 100 * len(lat)))] if lat else float("nan")
-
-        print("RESULT " + json.dumps({"requests": total, "duration_s": elapsed, "errors": errors,
-                                      "p50_us": pct(50), "p99_us": pct(99)}), flush=True)
+            recorder.print_result(time.perf_counter() - t0)
 
     asyncio.run(main())
 
 
 def serve_load(url: str, body: str, concurrency: int, duration: float, headers_json: str) -> None:
+    """Closed loop: ``concurrency`` workers, each sending its next request when the last one finished."""
     import asyncio
 
     import aiohttp
 
-    headers = {"Content-Type": "application/json", **json.loads(headers_json)}
-    data = body.encode()
+    recorder = _Recorder(url, body, headers_json)
 
     async def main() -> None:
-        lat: list[float] = []
-        errors = 0
         stop_at = time.monotonic() + duration
-        conn = aiohttp.TCPConnector(limit=concurrency)
-        async with aiohttp.ClientSession(connector=conn) as session:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
             async def worker() -> None:
-                nonlocal errors
                 while time.monotonic() < stop_at:
-                    t0 = time.perf_counter()
-                    try:
-                        async with session.post(url, data=data, headers=headers) as resp:
-                            await resp.read()
-                            ok = resp.status == 200
-                    except aiohttp.ClientError:
-                        ok = False
-                    if ok:
-                        lat.append((time.perf_counter() - t0) * 1e6)
-                    else:
-                        errors += 1
+                    await recorder.post(session, time.perf_counter())
+
             started = time.monotonic()
             await asyncio.gather(*(worker() for _ in range(concurrency)))
-            elapsed = time.monotonic() - started
-        lat.sort()
-
-        def pct(q: float) -> float:
-            return lat[min(len(lat) - 1, int(q / 100 * len(lat)))] if lat else float("nan")
-
-        print("RESULT " + json.dumps({"requests": len(lat) + errors, "duration_s": elapsed, "errors": errors,
-                                      "p50_us": pct(50), "p99_us": pct(99)}), flush=True)
+            recorder.print_result(time.monotonic() - started)
 
     asyncio.run(main())
 

@@ -57,7 +57,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from torch import nn
 from tqdm import tqdm
 
-from services.engine.tiny_checkpoint import CHAT_TEMPLATE, SPECIAL_TOKENS, THINK_TOKENS, _config, _Sizes
+from services.engine.tiny_checkpoint import SPECIAL_TOKENS, THINK_TOKENS, _config, _Sizes, write_tokenizer_files
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VAL_MODULUS = 20  # 1 document in 20 is held out
@@ -474,22 +474,7 @@ def export(model: Qwen3LM, tokenizer: Tokenizer, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = {name: t.detach().float().contiguous() for name, t in model.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save(str(out / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "add_bos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_positions,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    generation_config = {"bos_token_id": eot, "eos_token_id": [im_end, eot], "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+    write_tokenizer_files(out, tokenizer, max_positions, eot_id=eot, im_end_id=im_end)
 
 
 def _cpu_name() -> str:

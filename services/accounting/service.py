@@ -143,8 +143,8 @@ class AccountingService:
     async def _on_config_changed(self, msg: Msg) -> None:
         """A gateway saved its pools file (Config page): take its electricity rate and price book."""
         try:
-            pools = pool_config.parse(msgspec.json.decode(msg.data)["config"])
-        except (msgspec.DecodeError, KeyError, TypeError, ConfigError) as exc:
+            pools = pool_config.read_change_message(msg.data).config
+        except ConfigError as exc:
             log.warning("ignored a config-changed message: %s", exc)
             return
         now_s, book = time.time(), price_book_of(pools)

@@ -299,3 +299,28 @@ def to_dict(config: GatewayFileConfig) -> dict[str, Any]:
         "metrics": dict(vars(config.metrics)),
         "gateway": dict(vars(config.limits)),
     }
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """A gateway's saved pools file, as broadcast on ``llm.v1.config.changed`` (Config page saves)."""
+
+    gateway_id: str
+    raw: dict[str, Any]  # the file form, as saved
+    config: GatewayFileConfig  # the same, validated
+
+
+def change_message(gateway_id: str, raw: dict[str, Any]) -> bytes:
+    return json.dumps({"gateway_id": gateway_id, "config": raw}).encode()
+
+
+def read_change_message(data: bytes) -> ConfigChange:
+    """Decode and validate a config-changed message; anything wrong is a ConfigError naming why."""
+    try:
+        message = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError("config-changed", f"not JSON: {exc}") from None
+    if not isinstance(message, dict) or not isinstance(message.get("gateway_id"), str) \
+            or not isinstance(message.get("config"), dict):
+        raise ConfigError("config-changed", 'expected {"gateway_id": str, "config": {...}}')
+    return ConfigChange(message["gateway_id"], message["config"], parse(message["config"]))

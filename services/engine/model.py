@@ -145,6 +145,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
 
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One fused projection → per-head views ``[T, H, D]`` of q, k and v."""
+        num_tokens = x.shape[0]
+        q, k, v = torch.split(linear(x, self.qkv_weight, self.qkv_bias), self.split_sizes, dim=-1)
+        return (q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -155,10 +162,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = torch.split(linear(x, self.qkv_weight, self.qkv_bias), self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
         if self.q_norm is not None and self.k_norm is not None:
             q = rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
@@ -174,10 +178,7 @@ class Attention(nn.Module):
         from services.engine.kernels import rope as kr
 
         num_tokens = x.shape[0]
-        q, k, v = torch.split(linear(x, self.qkv_weight, self.qkv_bias), self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
         if self.q_norm is not None and self.k_norm is not None:
             q = kn.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = kn.rms_norm(k, self.k_norm.weight, self.k_norm.eps)

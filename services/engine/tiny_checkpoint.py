@@ -278,6 +278,14 @@ def write_tiny_checkpoint(
 
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _save(tensors, out, num_shards)
+    write_tokenizer_files(out, tokenizer, max_position_embeddings, eot_id=bos_id, im_end_id=eos_id)
+    return out
+
+
+def write_tokenizer_files(out: Path, tokenizer: Tokenizer, model_max_length: int, *, eot_id: int,
+                          im_end_id: int) -> None:
+    """tokenizer.json, tokenizer_config.json (ChatML template) and generation_config.json (stop on
+    ``<|im_end|>`` and ``<|endoftext|>``): the files every checkpoint this project writes shares."""
     tokenizer.save(str(out / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -288,13 +296,12 @@ def write_tiny_checkpoint(
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": max_position_embeddings,
+        "model_max_length": model_max_length,
         "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    generation_config = {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id], "do_sample": False}
+    generation_config = {"bos_token_id": eot_id, "eos_token_id": [im_end_id, eot_id], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
-    return out
 
 
 def mirror_mtp(path: str | Path, *, exact: bool = True) -> Path:

@@ -205,27 +205,23 @@ class GatewayService:
         log.info("config saved to %s and applied: %d pool(s)", self.config_path, len(parsed.pools))
         if broadcast:
             try:
-                await self.nc.publish(subjects.CONFIG_CHANGED, msgspec.json.encode(
-                    {"gateway_id": self.config.gateway_id, "config": raw}))
+                await self.nc.publish(subjects.CONFIG_CHANGED, pool_config.change_message(self.config.gateway_id, raw))
             except Exception as exc:
                 log.warning("other gateways not told about the new config (bus: %s); they keep their own", exc)
         return None
 
     async def _on_config_changed(self, msg: Msg) -> None:
         try:
-            data = msgspec.json.decode(msg.data)
-            if data.get("gateway_id") == self.config.gateway_id:
-                return
-            problem = await self.apply_config(data["config"], broadcast=False)
-        except (msgspec.DecodeError, AttributeError, KeyError, TypeError, RecursionError) as exc:
-            log.warning("ignored a malformed config-changed message: %s", exc)
+            change = pool_config.read_change_message(msg.data)
+        except ConfigError as exc:
+            log.error("kept the previous config: a config-changed message was refused: %s", exc)
             return
+        if change.gateway_id == self.config.gateway_id:
+            return
+        try:
+            await self.apply_config(change.raw, broadcast=False)  # already valid: read_change_message parsed it
         except OSError as exc:
-            log.error("config from gateway %s not saved: %s", data.get("gateway_id"), exc)
-            return
-        if problem is not None:
-            log.error("kept the previous config: the one from gateway %s is invalid: %s", data.get("gateway_id"),
-                      problem)
+            log.error("config from gateway %s not saved: %s", change.gateway_id, exc)
 
     async def _load_known_workers(self) -> None:
         """A new gateway knows the fleet at once from the KV bucket's last heartbeat per worker."""

@@ -21,7 +21,6 @@ import zlib
 from dataclasses import dataclass, field
 
 import aiohttp
-import msgspec
 from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -121,8 +120,8 @@ class TelemetryService:
     async def _on_config_changed(self, msg: Msg) -> None:
         """A gateway saved new pools (its Config page): watch the HTTP members it added, drop removed ones."""
         try:
-            config = pool_config.parse(msgspec.json.decode(msg.data)["config"])
-        except (msgspec.DecodeError, KeyError, TypeError, ConfigError) as exc:
+            config = pool_config.read_change_message(msg.data).config
+        except ConfigError as exc:
             log.warning("ignored a config-changed message: %s", exc)
             return
         self.follow_pools([Member(m.member_id, m.backend.rstrip("/")) for m in config.http_members()])
