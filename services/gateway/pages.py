@@ -27,6 +27,7 @@ from services.gateway.identity import (
     check_password_rules,
     check_user_name,
     hash_password,
+    new_password,
     verify_password,
 )
 
@@ -69,6 +70,7 @@ class Pages:
         self.gw = gateway
         self.auth = gateway.auth
         self.env = _env()
+        self._dummy_password_hash: str | None = None  # verified against for unknown user names (timing)
 
     def routes(self, app: web.Application) -> None:
         r = app.router
@@ -140,7 +142,7 @@ class Pages:
             return resp
         found = self.auth.store.password_hash(name)
         # Verify even for an unknown user (against a dummy hash), so timing does not reveal who exists.
-        stored = found[1] if found else self.gw.dummy_password_hash
+        stored = found[1] if found else await self._dummy_hash()
         ok = await asyncio.to_thread(verify_password, password, stored) and found is not None
         if not ok:
             self.auth.throttle.failed(ip, name, time.time())
@@ -168,12 +170,19 @@ class Pages:
         resp.del_cookie(SESSION_COOKIE, path="/")
         raise resp
 
+    async def _dummy_hash(self) -> str:
+        if self._dummy_password_hash is None:
+            self._dummy_password_hash = await asyncio.to_thread(hash_password, new_password())
+        return self._dummy_password_hash
+
     # ---- Backends ---------------------------------------------------------------------------------
 
     async def backends(self, request: web.Request) -> web.Response:
         now = time.time()
         if _wants_html(request):
             session = self.auth.page_user(request, now, admin=True)
+            if request.query.get("rows") == "1":  # the page's live refresh: the table body only
+                return self.render("backend_rows.html", members=self.gw.backends_view())
             return self.render("backends.html", title="Backends", page="backends", session=session,
                                members=self.gw.backends_view())
         self.auth.api_user(request, now, admin=True)

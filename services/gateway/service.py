@@ -34,7 +34,7 @@ from services.gateway import bus_backend, pools, routing, routing_adapter
 from services.gateway.auth import Auth, parse_networks, save_usage_periodically
 from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend, MemberUnavailable
-from services.gateway.identity import IdentityStore, hash_password, new_password
+from services.gateway.identity import IdentityStore
 from services.gateway.openapi import document as openapi_document
 from services.gateway.pages import Pages
 from services.gateway.usage_spool import UsageSpool
@@ -108,7 +108,6 @@ class GatewayService:
         self.identity = IdentityStore(data / "identity")
         self.auth = Auth(self.identity, parse_networks(config.trusted_networks),
                          self.file_config.limits.max_concurrent_per_key)
-        self.dummy_password_hash = hash_password(new_password())  # verified against for unknown user names
         self.bootstrap: tuple[str, str] | None = None  # (admin password, API key) printed at a first start
         self.fleet = Fleet(config.gateway_id)
         self.router = routing_adapter.Router(config.data_dir, time.time())
