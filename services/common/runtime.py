@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,32 @@ def setup_logging(level: str | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+class ThrottledLog:
+    """Logs a line of one kind at most once per ``every_s``, then says how many like it were held back.
+
+    For lines that would otherwise repeat per request while a dependency is down (a log storm).
+    """
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger, self.every_s, self.clock = logger, every_s, clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, kind: str, msg: str, *args: Any) -> None:
+        now = self.clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.every_s:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        self._last[kind] = now
+        if held:
+            msg += f" (and {held} more like it in the last %.0f s)"
+            args = (*args, now - last)  # type: ignore[operator]
+        self.logger.warning(msg, *args)
 
 
 def announce(service: str, message: str) -> None:

@@ -29,7 +29,8 @@ from proto import ProtoDecodeError, SlotHeartbeat, TokenChunk, Usage, UsageRecor
 from services.common import openai_api, openai_stream, pool_config
 from services.common.http import HTTPError, body_deadline_middleware, error_middleware, read_json_object, serving
 from services.common.prom import E2E_BUCKETS_S, Histogram, PromText
-from services.common.runtime import ConfigError, atomic_write_text, new_session_id, raise_if_cancelling
+from services.common.runtime import (ConfigError, ThrottledLog, atomic_write_text, new_session_id,
+                                     raise_if_cancelling)
 from services.gateway import bus_backend, pools, routing, routing_adapter
 from services.gateway.auth import Auth, parse_networks, save_usage_periodically
 from services.gateway.fleet import Fleet
@@ -112,6 +113,7 @@ class GatewayService:
         self.fleet = Fleet(config.gateway_id)
         self.router = routing_adapter.Router(config.data_dir, time.time())
         self.metrics = GatewayMetrics()
+        self._quiet_log = ThrottledLog(log)  # per-request lines while a member or the bus is down
         self.http = HttpBackend(first_byte_timeout_s=self.first_byte_timeout_s,
                                 request_timeout_s=self.file_config.limits.request_timeout_s)
         self.spool = UsageSpool(data / "usage-spool" / config.gateway_id)
@@ -321,7 +323,8 @@ class GatewayService:
                 self.spool.append(data)
                 raise
             except Exception as exc:
-                log.warning("usage of %s spooled to disk (bus unavailable: %s)", record.request_id, exc)
+                self._quiet_log.warning("spooled", "usage of %s spooled to disk (bus unavailable: %s)",
+                                        record.request_id, exc)
                 self.spool.append(data)
             finally:
                 self._usage_queue.task_done()
@@ -554,7 +557,8 @@ class GatewayService:
                     last_error = error  # e.g. 429 queue full: try the next member, report this if none
                 elif not getattr(exc, "is_bus_down", False):
                     self.fleet.mark_down(member_id, time.time())
-                log.warning("member %s unavailable for %s: %s", member_id, request_id, exc)
+                self._quiet_log.warning(f"unavailable:{member_id}:{getattr(exc, 'is_bus_down', False)}",
+                                        "member %s unavailable for %s: %s", member_id, request_id, exc)
                 self.metrics.failovers[member_id] += 1
                 continue
             finally:
