@@ -28,7 +28,7 @@ from services.common.runtime import (
     setup_logging,
 )
 from services.engine.artifact import materialize
-from services.engine.async_engine import AsyncEngine
+from services.engine.async_engine import AsyncEngine, EngineHandle, ProcessEngine
 from services.engine.energy import detect_meter
 from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.errors import EngineError
@@ -78,8 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats", help="join the bus as a worker at this NATS URL (also $NATS_URL)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("LLMGW_ENGINE_THREADS", "0")) or None,
-                        help="torch CPU threads for the model (default on the CPU: one fewer than the cores, so "
-                             "the event loop and the HTTP/bus I/O keep a core; also $LLMGW_ENGINE_THREADS)")
+                        help="torch CPU threads for the model (default on the CPU: every core; with "
+                             "--in-process one fewer, so the event loop keeps a core; also $LLMGW_ENGINE_THREADS)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the engine core on a thread of the API process instead of its own child "
+                             "process (one process to debug; slower under load: the two share one GIL)")
     parser.add_argument("--backend", choices=["auto", "torch", "triton"], default=None,
                         help="kernels: auto = Triton on CUDA, else torch (default; also $LLMGW_ENGINE_BACKEND)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype")
@@ -88,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between bus heartbeats")
     parser.add_argument("--energy-interval", type=float, default=5.0, help="seconds between energy samples")
+
+
+def default_cpu_threads(in_process: bool) -> int:
+    """Every core for a core in its own process; one fewer when it shares the API process's GIL."""
+    cores = os.cpu_count() or 1
+    return max(1, cores - 1) if in_process else cores
 
 
 def build_spec_config(args: argparse.Namespace) -> SpecConfig:
@@ -156,7 +165,7 @@ def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, W
         kv_capacity_tokens=args.kv_capacity, max_concurrency=args.max_concurrency,
         max_pending_requests=args.max_pending_requests, max_context=args.max_context,
         preserve_thinking=args.preserve_thinking, spec=spec, backend=args.backend,
-        torch_threads=args.threads or (max(1, (os.cpu_count() or 1) - 1) if args.device == "cpu" else None),
+        torch_threads=args.threads or (default_cpu_threads(args.in_process) if args.device == "cpu" else None),
     )
     try:
         select_backend(args.device, args.backend)  # a backend that cannot run here stops the start, named
@@ -170,13 +179,20 @@ def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, W
 
 async def run(args: argparse.Namespace) -> None:
     engine_config, serve_config, worker_config = build_config(args)
-    core = await asyncio.to_thread(EngineCore, engine_config)
-    log.info("%s", core.describe())
-    meter = detect_meter(engine_config.device)
-    log.info("energy: %s", meter.describe())
     nats_url = args.nats or os.environ.get("NATS_URL")
     async with contextlib.AsyncExitStack() as stack:
-        engine = await stack.enter_async_context(AsyncEngine(core))
+        engine: EngineHandle
+        if args.in_process:
+            core = await asyncio.to_thread(EngineCore, engine_config)
+            log.info("%s", core.describe())
+            engine = await stack.enter_async_context(AsyncEngine(core))
+        else:
+            process = await stack.enter_async_context(ProcessEngine(engine_config))
+            log.info("%s (core in process %s)", process.description, process.pid)
+            engine = process
+        core = engine.core
+        meter = detect_meter(engine_config.device)
+        log.info("energy: %s", meter.describe())
         service = EngineService(engine, meter, serve_config, worker_id=worker_config.worker_id)
         stack.callback(meter.close)
         stack.callback(service.save_metrics_state)  # at shutdown, after requests stopped

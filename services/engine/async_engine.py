@@ -1,9 +1,18 @@
-"""AsyncEngine: the EngineCore on its own thread, with per-request async streams for asyncio code.
+"""The EngineCore off the event loop, with per-request async streams for asyncio code.
 
-The step loop never runs on the event loop (a forward pass blocks for milliseconds to seconds). The
-event loop talks to the thread through a command queue (add, abort); the thread hands each step's
-outputs back with one ``call_soon_threadsafe`` per step, and tells listeners when the scheduler's
-state changed (so heartbeats go out on change, not only on a timer).
+The step loop never runs on the event loop (a forward pass blocks for milliseconds to seconds). Two
+ways to run it, with one interface (``add_request``, ``abort``, ``snapshot``, ``on_outputs``,
+``on_change``, ``core``):
+
+* :class:`AsyncEngine` runs the core on a thread of this process. Simple, and what tests and the offline
+  API use; but the step thread and the event loop share one GIL, so HTTP work and engine steps slow
+  each other down.
+* :class:`ProcessEngine` runs the core in a child process (vLLM v1's split) and talks to it over a pipe:
+  the event loop serves HTTP and SSE while the child keeps every torch thread busy. ``ninfer-serve``
+  uses it.
+
+Both hand each step's outputs back in one batch, and tell listeners when the scheduler's state changed
+(so heartbeats go out on change, not only on a timer).
 """
 
 from __future__ import annotations
@@ -12,14 +21,21 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import multiprocessing
+import os
+import pickle
 import queue
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
 
-from services.engine.engine_core import EngineCore, EngineSnapshot, RequestOutput
+from services.engine.engine_core import EngineConfig, EngineCore, EngineSnapshot, PromptEncoder, RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +46,6 @@ class _Add:
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     source: str
-    done: concurrent.futures.Future[None]
 
 
 @dataclass(frozen=True)
@@ -38,10 +53,62 @@ class _Abort:
     request_id: str
 
 
+_Command = _Add | _Abort | None  # None: stop (abort what is left and return)
+
+
+def run_step_loop(core: EngineCore, clock: Callable[[], float], next_command: Callable[[float], _Command],
+                  on_added: Callable[[str, BaseException | None], None],
+                  publish: Callable[[list[RequestOutput], EngineSnapshot, bool], None],
+                  on_step_error: Callable[[BaseException], None]) -> None:
+    """Take commands, step while there is work, publish every step's outputs with a fresh snapshot.
+
+    ``next_command(timeout_s)`` returns the next command, waiting up to ``timeout_s`` (0: not at all), and
+    raises :class:`queue.Empty` when none came. ``publish(outputs, snapshot, changed)`` is called after any
+    step that produced outputs or changed the scheduler's state. A step that raises is reported to
+    ``on_step_error``; every request is then aborted, so no client hangs, and the loop goes on.
+    """
+    last_key: tuple[int, ...] | None = None
+    while True:
+        outputs: list[RequestOutput] = []
+        wait_s = 0.0 if core.has_unfinished_requests() else 1.0
+        while True:
+            try:
+                cmd = next_command(wait_s)
+            except queue.Empty:
+                break
+            wait_s = 0.0
+            if cmd is None:
+                for rid in core.unfinished_request_ids():
+                    core.abort(rid, clock())
+                return
+            if isinstance(cmd, _Add):
+                try:
+                    core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, clock(), cmd.source)
+                    on_added(cmd.request_id, None)
+                except BaseException as exc:  # the caller re-raises it: queue full, duplicate id, ...
+                    on_added(cmd.request_id, exc)
+            elif (output := core.abort(cmd.request_id, clock())) is not None:
+                outputs.append(output)
+        if core.has_unfinished_requests():
+            try:
+                outputs += core.step(clock)
+            except Exception as exc:  # a bug must not leave clients hanging: fail every request
+                log.exception("engine step failed; aborting all requests")
+                on_step_error(exc)
+                outputs += [o for rid in core.unfinished_request_ids() if (o := core.abort(rid, clock()))]
+        snapshot = core.snapshot(clock())
+        s = snapshot.stats
+        key = (s.num_running, s.num_waiting, s.num_prefilling, s.num_kv_blocks_used // 8)
+        changed = key != last_key
+        last_key = key
+        if outputs or changed:
+            publish(outputs, snapshot, changed)
+
+
 class RequestStream:
     """The outputs of one request, in order; the last has ``finished`` set. Aborts when closed early."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+    def __init__(self, engine: EngineHandle, request_id: str) -> None:
         self.engine = engine
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -67,34 +134,20 @@ class RequestStream:
         self.engine._streams.pop(self.request_id, None)
 
 
-class AsyncEngine:
-    def __init__(self, core: EngineCore, clock: Callable[[], float] = time.monotonic) -> None:
-        self.core = core
+class EngineHandle:
+    """Streams, listeners and the latest snapshot: what both ways of running the core share."""
+
+    core: PromptEncoder
+
+    def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._listeners: list[Callable[[], None]] = []
         self._output_listeners: list[Callable[[list[RequestOutput]], None]] = []
-        self._snapshot: EngineSnapshot = core.snapshot(clock())
+        self._snapshot: EngineSnapshot | None = None
         self._snapshot_lock = threading.Lock()
         self.step_error: BaseException | None = None
-
-    # ---- lifecycle -------------------------------------------------------------------------------
-
-    async def __aenter__(self) -> AsyncEngine:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
-        self._thread.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._commands.put(None)
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
 
     def on_outputs(self, callback: Callable[[list[RequestOutput]], None]) -> None:
         """``callback`` runs on the event loop with every step's outputs (telemetry, energy attribution)."""
@@ -106,84 +159,31 @@ class AsyncEngine:
 
     def snapshot(self) -> EngineSnapshot:
         with self._snapshot_lock:
+            assert self._snapshot is not None, "the engine has not started"
             return self._snapshot
 
-    # ---- requests ----------------------------------------------------------------------------------
+    def _set_snapshot(self, snapshot: EngineSnapshot) -> None:
+        with self._snapshot_lock:
+            self._snapshot = snapshot
 
     async def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                           source: str = "") -> RequestStream:
         """Admit a request and return its stream; raises the engine's admission errors (queue full, …)."""
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt_token_ids, params, source, done))
-        self._wake.set()
         try:
-            await asyncio.wrap_future(done)
+            await self._submit(_Add(request_id, prompt_token_ids, params, source))
         except BaseException:
             stream.finished = True
             self._streams.pop(request_id, None)
             raise
         return stream
 
+    async def _submit(self, add: _Add) -> None:
+        raise NotImplementedError
+
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
-        self._wake.set()
-
-    # ---- the step thread ---------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        core = self.core
-        last_key: tuple[int, ...] | None = None
-        while True:
-            if not self._drain_commands():
-                return
-            outputs: list[RequestOutput] = []
-            if core.has_unfinished_requests():
-                try:
-                    outputs = core.step(self.clock)
-                except Exception as exc:  # a bug must not leave clients hanging: fail every request
-                    log.exception("engine step failed; aborting all requests")
-                    self.step_error = exc
-                    outputs = [o for rid in list(self._streams) if (o := core.abort(rid, self.clock()))]
-            snapshot = core.snapshot(self.clock())
-            with self._snapshot_lock:
-                self._snapshot = snapshot
-            s = snapshot.stats
-            key = (s.num_running, s.num_waiting, s.num_prefilling, s.num_kv_blocks_used // 8)
-            changed = key != last_key
-            last_key = key
-            if outputs or changed:
-                assert self._loop is not None
-                with contextlib.suppress(RuntimeError):  # loop closed during shutdown
-                    self._loop.call_soon_threadsafe(self._deliver, outputs, changed)
-            if not core.has_unfinished_requests():
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-
-    def _drain_commands(self) -> bool:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-            if cmd is None:
-                for rid in list(self._streams):
-                    self.core.abort(rid, self.clock())
-                return False
-            if isinstance(cmd, _Add):
-                try:
-                    self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, self.clock(),
-                                          cmd.source)
-                    cmd.done.set_result(None)
-                except BaseException as exc:
-                    cmd.done.set_exception(exc)
-            else:
-                output = self.core.abort(cmd.request_id, self.clock())
-                if output is not None:
-                    assert self._loop is not None
-                    with contextlib.suppress(RuntimeError):
-                        self._loop.call_soon_threadsafe(self._deliver, [output], True)
+        raise NotImplementedError
 
     def _deliver(self, outputs: list[RequestOutput], changed: bool) -> None:
         if outputs:
@@ -196,3 +196,294 @@ class AsyncEngine:
         if changed:
             for callback in self._listeners:
                 callback()
+
+
+class AsyncEngine(EngineHandle):
+    """The core on a thread of this process."""
+
+    def __init__(self, core: EngineCore, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(clock)
+        self.core = core
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._adds: dict[str, concurrent.futures.Future[None]] = {}
+        self._thread: threading.Thread | None = None
+        self._set_snapshot(core.snapshot(clock()))
+
+    async def __aenter__(self) -> AsyncEngine:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._thread.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._commands.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    async def _submit(self, add: _Add) -> None:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._adds[add.request_id] = done
+        self._commands.put(add)
+        await asyncio.wrap_future(done)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def _run(self) -> None:
+        def next_command(timeout_s: float) -> _Command:
+            return self._commands.get(timeout=timeout_s) if timeout_s > 0 else self._commands.get_nowait()
+
+        def on_added(request_id: str, exc: BaseException | None) -> None:
+            done = self._adds.pop(request_id)
+            done.set_result(None) if exc is None else done.set_exception(exc)
+
+        def publish(outputs: list[RequestOutput], snapshot: EngineSnapshot, changed: bool) -> None:
+            self._set_snapshot(snapshot)
+            assert self._loop is not None
+            with contextlib.suppress(RuntimeError):  # loop closed during shutdown
+                self._loop.call_soon_threadsafe(self._deliver, outputs, changed)
+
+        def on_step_error(exc: BaseException) -> None:
+            self.step_error = exc
+
+        run_step_loop(self.core, self.clock, next_command, on_added, publish, on_step_error)
+
+
+# ---- the core in a child process -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Ready:
+    model_id: str
+    max_context: int
+    description: str
+    snapshot: EngineSnapshot
+
+
+@dataclass(frozen=True)
+class _Added:
+    request_id: str
+    error: BaseException | None
+
+
+@dataclass(frozen=True)
+class _Step:
+    outputs: list[RequestOutput]
+    snapshot: EngineSnapshot
+    changed: bool
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _child_main(config: EngineConfig, conn: Connection) -> None:
+    """The engine process: build the core, say ready (or why not), then step until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us through the pipe
+    logging.basicConfig(level=os.environ.get("LLMGW_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        core = EngineCore(config)
+    except BaseException as exc:
+        conn.send(_Failed(_portable(exc)))
+        return
+    clock = time.monotonic
+    conn.send(_Ready(core.model_id, core.max_context, core.describe(), core.snapshot(clock())))
+    # Replies go out on a thread: a write that waits for the API process to read (a full pipe) must not
+    # hold up the next step. Pickled here, written there (the write releases the GIL).
+    outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def write() -> None:
+        while (data := outbox.get()) is not None:
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                return
+
+    writer = threading.Thread(target=write, name="engine-replies", daemon=True)
+    writer.start()
+
+    def next_command(timeout_s: float) -> _Command:
+        try:
+            if not conn.poll(timeout_s):
+                raise queue.Empty
+            cmd: _Command = conn.recv()
+        except (EOFError, OSError):  # the parent is gone: stop
+            return None
+        return cmd
+
+    def on_added(request_id: str, exc: BaseException | None) -> None:
+        outbox.put(pickle.dumps(_Added(request_id, None if exc is None else _portable(exc))))
+
+    def publish(outputs: list[RequestOutput], snapshot: EngineSnapshot, changed: bool) -> None:
+        outbox.put(pickle.dumps(_Step(outputs, snapshot, changed)))
+
+    def on_step_error(exc: BaseException) -> None:
+        outbox.put(pickle.dumps(_Failed(_portable(exc))))
+
+    try:
+        run_step_loop(core, clock, next_command, on_added, publish, on_step_error)
+    finally:
+        outbox.put(None)
+        writer.join(10)
+
+
+class ProcessEngine(EngineHandle):
+    """The core in a child process; the event loop keeps this process's GIL to itself.
+
+    ``core`` is the API side (:class:`PromptEncoder`: tokenizer, model id, context limit); the model,
+    the KV cache and the scheduler live in the child. Requests and aborts go down a pipe (sent by a
+    writer thread, so the loop never blocks on a full pipe); step outputs and snapshots come back on
+    the same pipe and are read when it is readable. If the child dies, every open stream ends with
+    ``abort`` and ``step_error`` says why.
+    """
+
+    START_TIMEOUT_S = 600.0
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(clock)
+        self.config = config
+        self.description = ""
+        self._conn: Connection | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._adds: dict[str, asyncio.Future[None]] = {}
+
+    async def __aenter__(self) -> ProcessEngine:
+        self._loop = asyncio.get_running_loop()
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._process = ctx.Process(target=_child_main, args=(self.config, child), name="ninfer-engine-core",
+                                    daemon=True)
+        self._process.start()
+        child.close()
+        self._conn = parent
+        try:
+            first = await asyncio.to_thread(self._await_first)
+        except BaseException:
+            self._stop_process()
+            raise
+        if isinstance(first, _Failed):
+            self._stop_process()
+            raise first.error
+        tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self.config.model_path)
+        self.core = _ApiSide(self.config, tokenizer, first.model_id, first.max_context)
+        self.description = first.description
+        self._set_snapshot(first.snapshot)
+        self._writer = threading.Thread(target=self._write, name="engine-pipe-writer", daemon=True)
+        self._writer.start()
+        self._loop.add_reader(parent.fileno(), self._on_readable)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def _await_first(self) -> _Ready | _Failed:
+        assert self._conn is not None and self._process is not None
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        while not self._conn.poll(0.2):
+            if not self._process.is_alive():
+                return _Failed(RuntimeError(f"the engine process exited while starting "
+                                            f"(exit code {self._process.exitcode}); see the log above"))
+            if time.monotonic() > deadline:
+                return _Failed(RuntimeError("the engine process did not start in time"))
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            return _Failed(RuntimeError("the engine process exited while starting; see the log above"))
+        assert isinstance(msg, _Ready | _Failed)
+        return msg
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._loop is not None and self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._conn.fileno())
+        self._outbox.put(None)  # stop: the child aborts what is left
+        self._outbox.put(StopIteration)  # then the writer ends
+        if self._writer is not None:
+            await asyncio.to_thread(self._writer.join, 10)
+        if self._process is not None:
+            await asyncio.to_thread(self._process.join, 30)
+        self._stop_process()
+
+    def _stop_process(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+        if self._conn is not None:
+            self._conn.close()
+
+    def _write(self) -> None:
+        assert self._conn is not None
+        while (msg := self._outbox.get()) is not StopIteration:
+            try:
+                self._conn.send(msg)
+            except (OSError, ValueError):  # the child is gone; _on_readable sees the EOF
+                return
+
+    async def _submit(self, add: _Add) -> None:
+        if self.step_error is not None and self._process is not None and not self._process.is_alive():
+            raise RuntimeError(f"the engine process is gone: {self.step_error}")
+        assert self._loop is not None
+        done: asyncio.Future[None] = self._loop.create_future()
+        self._adds[add.request_id] = done
+        self._outbox.put(add)
+        await done
+
+    def abort(self, request_id: str) -> None:
+        self._outbox.put(_Abort(request_id))
+
+    def _on_readable(self) -> None:
+        assert self._conn is not None
+        try:
+            while self._conn.poll():
+                self._handle(self._conn.recv())
+        except (EOFError, OSError):
+            self._child_gone()
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, _Step):
+            self._set_snapshot(msg.snapshot)
+            self._deliver(msg.outputs, msg.changed)
+        elif isinstance(msg, _Added):
+            done = self._adds.pop(msg.request_id, None)
+            if done is not None and not done.done():
+                done.set_result(None) if msg.error is None else done.set_exception(msg.error)
+        elif isinstance(msg, _Failed):
+            self.step_error = msg.error
+
+    def _child_gone(self) -> None:
+        assert self._loop is not None and self._conn is not None
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._conn.fileno())
+        code = self._process.exitcode if self._process is not None else None
+        log.error("the engine process exited (code %s); failing its requests", code)
+        self.step_error = self.step_error or RuntimeError(f"the engine process exited (code {code})")
+        for done in self._adds.values():
+            if not done.done():
+                done.set_exception(RuntimeError("the engine process is gone"))
+        self._adds.clear()
+        aborted = [RequestOutput(rid, "", (), "abort", 0, 0, 0) for rid, s in self._streams.items() if not s.finished]
+        self._deliver(aborted, True)
+
+
+class _ApiSide(PromptEncoder):
+    """The API process's view of an engine whose core runs elsewhere."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_id: str, max_context: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.max_context = max_context

@@ -163,7 +163,29 @@ def free_memory_bytes(device: torch.device) -> int:
     return 1 << 30
 
 
-class EngineCore:
+class PromptEncoder:
+    """What the HTTP and bus layers need of an engine to turn a request into prompt tokens.
+
+    The :class:`EngineCore` is one; so is the API side of an engine whose core runs in another process
+    (:class:`services.engine.async_engine.ProcessEngine`), which loads the tokenizer but not the model.
+    """
+
+    config: EngineConfig
+    tokenizer: Tokenizer
+    model_id: str
+    max_context: int
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, preserve_thinking=self.config.preserve_thinking
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+
+class EngineCore(PromptEncoder):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         spec_config = config.spec.validate()
@@ -247,14 +269,8 @@ class EngineCore:
 
     # ---- intake -------------------------------------------------------------------------------------
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, preserve_thinking=self.config.preserve_thinking
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def encode_prompt(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt)
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._states)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     now: float, source: str = "") -> None:

@@ -26,6 +26,18 @@ class EngineError(Exception):
         super().__init__(message)
         self.message = message
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Subclasses take their facts, not the message, so the default (cls(*args)) cannot rebuild them:
+        # restore the fields directly. An engine core in another process sends its errors this way.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type[EngineError], args: tuple[object, ...], fields: dict[str, object]) -> EngineError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(fields)
+    return err
+
 
 class ModelLoadError(EngineError):
     """A model directory could not be loaded: ``path`` is what was opened, ``reason`` says why (one line)."""

@@ -1,5 +1,5 @@
 """ninfer-serve's I/O shell: the OpenAI HTTP API, the telemetry endpoints, energy sampling,
-``--metrics-state`` persistence, and (with ``--nats``) the bus worker — around one AsyncEngine.
+``--metrics-state`` persistence, and (with ``--nats``) the bus worker — around one engine handle.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from proto import EnergySample, RequestTokens, TokenChunk, encode, subjects
 from services.common import openai_api, openai_stream
 from services.common.http import HTTPError, error_middleware, read_json_object, serving
 from services.common.runtime import new_session_id
-from services.engine.async_engine import AsyncEngine
+from services.engine.async_engine import EngineHandle
 from services.engine.energy import EnergyMeter, EnergyTracker, total_energy_j
 from services.engine.engine_core import RequestOutput
 from services.engine.errors import EngineError
@@ -49,7 +49,7 @@ class ServeConfig:
 
 
 class EngineService:
-    def __init__(self, engine: AsyncEngine, meter: EnergyMeter, config: ServeConfig,
+    def __init__(self, engine: EngineHandle, meter: EnergyMeter, config: ServeConfig,
                  worker_id: str = "") -> None:
         self.engine = engine
         self.core = engine.core

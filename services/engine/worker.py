@@ -30,8 +30,8 @@ from proto import (
     subjects,
 )
 from services.common.runtime import new_session_id, raise_if_cancelling
-from services.engine.async_engine import AsyncEngine
-from services.engine.engine_core import EngineCore, RequestOutput
+from services.engine.async_engine import EngineHandle
+from services.engine.engine_core import PromptEncoder, RequestOutput
 from services.engine.errors import (
     ContextLengthExceededError,
     EngineError,
@@ -77,7 +77,7 @@ def sampling_params(req: GenerateRequest, max_context: int, num_prompt_tokens: i
 
 
 class BusWorker:
-    def __init__(self, nc: Client, engine: AsyncEngine, config: WorkerConfig) -> None:
+    def __init__(self, nc: Client, engine: EngineHandle, config: WorkerConfig) -> None:
         self.nc = nc
         self.engine = engine
         self.config = config
@@ -205,7 +205,7 @@ class BusWorker:
             stream.close()  # cancelled (client gone, shutdown): abort in the engine, free its blocks
 
 
-def prepare_request(core: EngineCore, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
+def prepare_request(core: PromptEncoder, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
     """Prompt token ids (chat template applied) and sampling params; raises the engine's typed errors."""
     if req.messages is not None:
         prompt_ids = core.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])

@@ -29,8 +29,7 @@ from proto import ProtoDecodeError, SlotHeartbeat, TokenChunk, Usage, UsageRecor
 from services.common import openai_api, openai_stream, pool_config
 from services.common.http import HTTPError, body_deadline_middleware, error_middleware, read_json_object, serving
 from services.common.prom import E2E_BUCKETS_S, Histogram, PromText
-from services.common.runtime import (ConfigError, ThrottledLog, atomic_write_text, new_session_id,
-                                     raise_if_cancelling)
+from services.common.runtime import ConfigError, ThrottledLog, atomic_write_text, new_session_id, raise_if_cancelling
 from services.gateway import bus_backend, pools, routing, routing_adapter
 from services.gateway.auth import Auth, parse_networks, save_usage_periodically
 from services.gateway.fleet import Fleet
