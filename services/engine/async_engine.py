@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -96,13 +97,17 @@ def run_step_loop(core: EngineCore, clock: Callable[[], float], next_command: Ca
                 log.exception("engine step failed; aborting all requests")
                 on_step_error(exc)
                 outputs += [o for rid in core.unfinished_request_ids() if (o := core.abort(rid, clock()))]
-        snapshot = core.snapshot(clock())
-        s = snapshot.stats
+        s = core.scheduler.stats()
         key = (s.num_running, s.num_waiting, s.num_prefilling, s.num_kv_blocks_used // 8)
         changed = key != last_key
         last_key = key
         if outputs or changed:
-            publish(outputs, snapshot, changed)
+            publish(outputs, core.snapshot(clock()), changed)
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: the deltas joined, the counters of the later."""
+    return dataclasses.replace(later, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids)
 
 
 class RequestStream:
@@ -121,6 +126,10 @@ class RequestStream:
         try:
             while not self.finished:
                 output = await self.queue.get()
+                # A reader that fell behind gets what piled up as one output (as vLLM's output collector
+                # does): fewer, larger SSE events and bus chunks under load, the same text and tokens.
+                while not output.finished and not self.queue.empty():
+                    output = merge_outputs(output, self.queue.get_nowait())
                 self.finished = output.finished
                 yield output
         finally:

@@ -132,20 +132,24 @@ class ThroughputWindow:
 
     window_s: float = THROUGHPUT_WINDOW_S
     _events: collections.deque[tuple[float, int, int]] = field(default_factory=collections.deque)
+    _prefill: int = 0  # sums over _events, kept as they change: rates() is O(1) at every step
+    _decode: int = 0
 
     def add(self, now: float, prefill_tokens: int, decode_tokens: int) -> None:
         self._events.append((now, prefill_tokens, decode_tokens))
+        self._prefill += prefill_tokens
+        self._decode += decode_tokens
         self._trim(now)
 
     def _trim(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self.window_s:
-            self._events.popleft()
+            _, prefill, decode = self._events.popleft()
+            self._prefill -= prefill
+            self._decode -= decode
 
     def rates(self, now: float) -> tuple[float, float]:
         self._trim(now)
-        prefill = sum(e[1] for e in self._events)
-        decode = sum(e[2] for e in self._events)
-        return prefill / self.window_s, decode / self.window_s
+        return self._prefill / self.window_s, self._decode / self.window_s
 
 
 def free_memory_bytes(device: torch.device) -> int:
