@@ -23,7 +23,7 @@ Options:
   --worker-id ID       bus worker id, stable across restarts (default: ninfer-<short hostname>)
   --flags "..."        engine flags replacing the runbook's (everything after MODEL except --model-id
                        and --worker-id)
-  --no-spec            drop --spec/--draft-tokens/--lm-head-draft (needed until issue #11 lands)
+  --no-spec            drop --spec/--draft-tokens/--lm-head-draft (for a checkpoint without MTP weights)
   --nats URL           NATS_URL for a new env file (joins the bus); an existing env file is kept
   --user NAME          service user (default: ninfer; created as a system user when missing)
   --state-dir DIR      state directory, the user's home (default: /var/lib/ninfer)

@@ -89,3 +89,19 @@ async def test_a_dead_child_ends_every_open_stream_and_marks_the_engine_failed(t
         assert engine.step_error is not None and "exited" in str(engine.step_error)
         with pytest.raises(RuntimeError, match="gone"):
             await engine.add_request("after", [5], SamplingParams(max_tokens=2))
+
+
+def test_the_cpu_child_starts_with_short_openmp_spins_unless_the_operator_chose(monkeypatch: pytest.MonkeyPatch,
+                                                                                tmp_path: Path) -> None:
+    from services.engine.async_engine import CPU_SPINCOUNT, _child_environment
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with _child_environment(config(tmp_path)):
+        assert os.environ["GOMP_SPINCOUNT"] == CPU_SPINCOUNT
+    assert "GOMP_SPINCOUNT" not in os.environ  # only the child's start sees it
+    with _child_environment(config(tmp_path, device="cuda")):
+        assert "GOMP_SPINCOUNT" not in os.environ
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    with _child_environment(config(tmp_path)):
+        assert os.environ["GOMP_SPINCOUNT"] == "7"
