@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from services.common.runtime import setup_logging
 from services.engine.engine_core import EngineConfig, EngineCore, EngineSnapshot, PromptEncoder, RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer
@@ -296,11 +297,37 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+class _PipeWriter:
+    """Sends objects down a pipe from its own thread, so a full pipe (a reader that is behind) never
+    blocks the caller: an engine step on the child's side, the event loop on the API side. ``put``
+    pickles at once; the write releases the GIL."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.conn = conn
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, obj: object) -> None:
+        self._queue.put(pickle.dumps(obj))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Write what was put, then end the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _write(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except (OSError, ValueError):  # the other side is gone; its reader sees the EOF
+                return
+
+
 def _child_main(config: EngineConfig, conn: Connection) -> None:
     """The engine process: build the core, say ready (or why not), then step until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us through the pipe
-    logging.basicConfig(level=os.environ.get("LLMGW_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     try:
         core = EngineCore(config)
     except BaseException as exc:
@@ -308,19 +335,7 @@ def _child_main(config: EngineConfig, conn: Connection) -> None:
         return
     clock = time.monotonic
     conn.send(_Ready(core.model_id, core.max_context, core.describe(), core.snapshot(clock())))
-    # Replies go out on a thread: a write that waits for the API process to read (a full pipe) must not
-    # hold up the next step. Pickled here, written there (the write releases the GIL).
-    outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-
-    def write() -> None:
-        while (data := outbox.get()) is not None:
-            try:
-                conn.send_bytes(data)
-            except OSError:
-                return
-
-    writer = threading.Thread(target=write, name="engine-replies", daemon=True)
-    writer.start()
+    replies = _PipeWriter(conn, "engine-replies")
 
     def next_command(timeout_s: float) -> _Command:
         try:
@@ -332,19 +347,18 @@ def _child_main(config: EngineConfig, conn: Connection) -> None:
         return cmd
 
     def on_added(request_id: str, exc: BaseException | None) -> None:
-        outbox.put(pickle.dumps(_Added(request_id, None if exc is None else _portable(exc))))
+        replies.put(_Added(request_id, None if exc is None else _portable(exc)))
 
     def publish(outputs: list[RequestOutput], snapshot: EngineSnapshot, changed: bool) -> None:
-        outbox.put(pickle.dumps(_Step(outputs, snapshot, changed)))
+        replies.put(_Step(outputs, snapshot, changed))
 
     def on_step_error(exc: BaseException) -> None:
-        outbox.put(pickle.dumps(_Failed(_portable(exc))))
+        replies.put(_Failed(_portable(exc)))
 
     try:
         run_step_loop(core, clock, next_command, on_added, publish, on_step_error)
     finally:
-        outbox.put(None)
-        writer.join(10)
+        replies.close()
 
 
 # On the CPU the child's OpenMP threads spin this many iterations waiting for work before they sleep
@@ -374,8 +388,8 @@ class ProcessEngine(EngineHandle):
     """The core in a child process; the event loop keeps this process's GIL to itself.
 
     ``core`` is the API side (:class:`PromptEncoder`: tokenizer, model id, context limit); the model,
-    the KV cache and the scheduler live in the child. Requests and aborts go down a pipe (sent by a
-    writer thread, so the loop never blocks on a full pipe); step outputs and snapshots come back on
+    the KV cache and the scheduler live in the child. Requests and aborts go down a pipe (a
+    :class:`_PipeWriter`, so the loop never blocks on a full pipe); step outputs and snapshots come back on
     the same pipe and are read when it is readable. If the child dies, every open stream ends with
     ``abort`` and ``step_error`` says why.
     """
@@ -388,8 +402,7 @@ class ProcessEngine(EngineHandle):
         self.description = ""
         self._conn: Connection | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
-        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._writer: threading.Thread | None = None
+        self._commands: _PipeWriter | None = None
         self._adds: dict[str, asyncio.Future[None]] = {}
 
     async def __aenter__(self) -> ProcessEngine:
@@ -414,8 +427,7 @@ class ProcessEngine(EngineHandle):
         self.core = _ApiSide(self.config, tokenizer, first.model_id, first.max_context)
         self.description = first.description
         self._set_snapshot(first.snapshot)
-        self._writer = threading.Thread(target=self._write, name="engine-pipe-writer", daemon=True)
-        self._writer.start()
+        self._commands = _PipeWriter(parent, "engine-commands")
         self._loop.add_reader(parent.fileno(), self._on_readable)
         return self
 
@@ -443,10 +455,9 @@ class ProcessEngine(EngineHandle):
         if self._loop is not None and self._conn is not None:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self._conn.fileno())
-        self._outbox.put(None)  # stop: the child aborts what is left
-        self._outbox.put(StopIteration)  # then the writer ends
-        if self._writer is not None:
-            await asyncio.to_thread(self._writer.join, 10)
+        if self._commands is not None:
+            self._commands.put(None)  # stop: the child aborts what is left
+            await asyncio.to_thread(self._commands.close)
         if self._process is not None:
             await asyncio.to_thread(self._process.join, 30)
         self._stop_process()
@@ -458,25 +469,19 @@ class ProcessEngine(EngineHandle):
         if self._conn is not None:
             self._conn.close()
 
-    def _write(self) -> None:
-        assert self._conn is not None
-        while (msg := self._outbox.get()) is not StopIteration:
-            try:
-                self._conn.send(msg)
-            except (OSError, ValueError):  # the child is gone; _on_readable sees the EOF
-                return
-
     async def _submit(self, add: _Add) -> None:
         if self.step_error is not None and self._process is not None and not self._process.is_alive():
             raise RuntimeError(f"the engine process is gone: {self.step_error}")
         assert self._loop is not None
         done: asyncio.Future[None] = self._loop.create_future()
         self._adds[add.request_id] = done
-        self._outbox.put(add)
+        assert self._commands is not None
+        self._commands.put(add)
         await done
 
     def abort(self, request_id: str) -> None:
-        self._outbox.put(_Abort(request_id))
+        if self._commands is not None:
+            self._commands.put(_Abort(request_id))
 
     def _on_readable(self) -> None:
         assert self._conn is not None

@@ -550,13 +550,14 @@ class GatewayService:
             except (bus_backend.WorkerUnavailable, MemberUnavailable) as exc:
                 self.fleet.unbook(member_id)
                 error = getattr(exc, "error", None)
+                bus_down = getattr(exc, "is_bus_down", False)
                 if error is not None and error.status < 500:
                     if error.status in (400, 413):
                         raise error from None  # about the request itself: another member would say the same
                     last_error = error  # e.g. 429 queue full: try the next member, report this if none
-                elif not getattr(exc, "is_bus_down", False):
+                elif not bus_down:
                     self.fleet.mark_down(member_id, time.time())
-                self._quiet_log.warning(f"unavailable:{member_id}:{getattr(exc, 'is_bus_down', False)}",
+                self._quiet_log.warning(f"unavailable:{member_id}:{bus_down}",
                                         "member %s unavailable for %s: %s", member_id, request_id, exc)
                 self.metrics.failovers[member_id] += 1
                 continue
