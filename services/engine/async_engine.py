@@ -403,6 +403,7 @@ class ProcessEngine(EngineHandle):
         self._conn: Connection | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands: _PipeWriter | None = None
+        self._gone = False  # the child's end of the pipe closed
         self._adds: dict[str, asyncio.Future[None]] = {}
 
     async def __aenter__(self) -> ProcessEngine:
@@ -470,7 +471,7 @@ class ProcessEngine(EngineHandle):
             self._conn.close()
 
     async def _submit(self, add: _Add) -> None:
-        if self.step_error is not None and self._process is not None and not self._process.is_alive():
+        if self._gone:  # (the process may not be reaped yet: its pipe closing is what says it is gone)
             raise RuntimeError(f"the engine process is gone: {self.step_error}")
         assert self._loop is not None
         done: asyncio.Future[None] = self._loop.create_future()
@@ -506,9 +507,10 @@ class ProcessEngine(EngineHandle):
         assert self._loop is not None and self._conn is not None
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._conn.fileno())
-        code = self._process.exitcode if self._process is not None else None
-        log.error("the engine process exited (code %s); failing its requests", code)
-        self.step_error = self.step_error or RuntimeError(f"the engine process exited (code {code})")
+        self._gone = True
+        pid = self._process.pid if self._process is not None else None
+        log.error("the engine process %s exited; failing its requests", pid)
+        self.step_error = self.step_error or RuntimeError(f"the engine process {pid} exited")
         for done in self._adds.values():
             if not done.done():
                 done.set_exception(RuntimeError("the engine process is gone"))
