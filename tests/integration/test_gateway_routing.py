@@ -105,12 +105,13 @@ class Pool:
         return served[0]
 
     async def fresh_heartbeat(self, member_id: str) -> None:
-        """Wait for a bus member's heartbeat taken after now: the next decision sees this request finished
-        (heartbeats are rate-limited, so one sent just before the reply may still count it as running)."""
-        if member_id == self.http_id or self.engines[member_id].worker_task is None:
-            return
-        since = time.time() + 0.01
+        """Wait for a member's heartbeat taken after now (a bus worker's own, or telemetry's scrape of the HTTP
+        member): the next decision sees this request finished (heartbeats are rate-limited and scrapes
+        periodic, so one taken just before the reply may still count it as running)."""
         task = self.engines[member_id].worker_task
+        if member_id != self.http_id and task is None:
+            return  # a worker this test stopped: no heartbeat will come
+        since = time.time() + 0.01
         await wait_for(lambda: (task is not None and task.done())
                        or ((hb := self.heartbeat(member_id)) is not None and hb.ts_s > since), timeout_s=5)
 
