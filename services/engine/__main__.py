@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("LLMGW_ENGINE_THREADS", "0")) or None,
                         help="torch CPU threads for the model (default on the CPU: every core; with "
                              "--in-process one fewer, so the event loop keeps a core; also $LLMGW_ENGINE_THREADS)")
+    parser.add_argument("--stream-interval-ms", type=_stream_interval, default=20.0, metavar="MS",
+                        help="send a streaming request's tokens at most every MS milliseconds, merged (its first "
+                             "text and its end are never held; default 20); 0: every token at once")
     parser.add_argument("--in-process", action="store_true",
                         help="run the engine core on a thread of the API process instead of its own child "
                              "process (one process to debug; slower under load: the two share one GIL)")
@@ -132,6 +135,17 @@ def _kv_capacity(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
 
 
+def _stream_interval(text: str) -> float:
+    """``--stream-interval-ms``: milliseconds, 0 to 1000."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"expected 0 to 1000 milliseconds, got {text}")
+    return value
+
+
 def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, WorkerConfig]:
     spec = build_spec_config(args)
     if args.device != "cpu" and not args.device.startswith("cuda"):
@@ -165,6 +179,7 @@ def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, W
         kv_capacity_tokens=args.kv_capacity, max_concurrency=args.max_concurrency,
         max_pending_requests=args.max_pending_requests, max_context=args.max_context,
         preserve_thinking=args.preserve_thinking, spec=spec, backend=args.backend,
+        stream_interval_ms=args.stream_interval_ms,
         torch_threads=args.threads or (default_cpu_threads(args.in_process) if args.device == "cpu" else None),
     )
     try:

@@ -58,17 +58,67 @@ class _Abort:
 _Command = _Add | _Abort | None  # None: stop (abort what is left and return)
 
 
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: the deltas joined, the counters of the later."""
+    return dataclasses.replace(later, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids)
+
+
+class StreamInterval:
+    """Holds a request's outputs back for up to ``interval_s`` and hands them on merged.
+
+    Every output costs the API process an SSE event (or a bus message) and the client a read; at one
+    token per step and many streams that host work competes with the model for the same cores. So
+    outputs of a request whose text has started are held and released together at most every
+    ``interval_s`` (one clock for all requests: what is held goes out together, ``interval_s`` after the
+    first of it was held); outputs up to the first text (time to first token) and the
+    last output are never held. 0 releases every output at once.
+    """
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._held: dict[str, RequestOutput] = {}
+        self._streaming: set[str] = set()  # requests that have released text and not finished
+        self._due: float | None = None  # when what is held goes out: ``interval_s`` after the first of it
+
+    def release(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
+        if self.interval_s <= 0:
+            return outputs
+        ready: list[RequestOutput] = []
+        for output in outputs:
+            rid = output.request_id
+            if (held := self._held.pop(rid, None)) is not None:
+                output = merge_outputs(held, output)
+            if output.finished:
+                self._streaming.discard(rid)
+                ready.append(output)
+            elif rid not in self._streaming:
+                if output.text:
+                    self._streaming.add(rid)
+                ready.append(output)
+            else:
+                if self._due is None:
+                    self._due = now + self.interval_s
+                self._held[rid] = output
+        if self._due is not None and (now >= self._due or not self._held):
+            ready += self._held.values()
+            self._held.clear()
+            self._due = None
+        return ready
+
+
 def run_step_loop(core: EngineCore, clock: Callable[[], float], next_command: Callable[[float], _Command],
                   on_added: Callable[[str, BaseException | None], None],
                   publish: Callable[[list[RequestOutput], EngineSnapshot, bool], None],
-                  on_step_error: Callable[[BaseException], None]) -> None:
-    """Take commands, step while there is work, publish every step's outputs with a fresh snapshot.
+                  on_step_error: Callable[[BaseException], None], stream_interval_s: float = 0.0) -> None:
+    """Take commands, step while there is work, publish the steps' outputs with a fresh snapshot.
 
     ``next_command(timeout_s)`` returns the next command, waiting up to ``timeout_s`` (0: not at all), and
     raises :class:`queue.Empty` when none came. ``publish(outputs, snapshot, changed)`` is called after any
-    step that produced outputs or changed the scheduler's state. A step that raises is reported to
-    ``on_step_error``; every request is then aborted, so no client hangs, and the loop goes on.
+    step that released outputs (see :class:`StreamInterval`) or changed the scheduler's state. A step that
+    raises is reported to ``on_step_error``; every request is then aborted, so no client hangs, and the
+    loop goes on.
     """
+    interval = StreamInterval(stream_interval_s)
     last_key: tuple[int, ...] | None = None
     while True:
         outputs: list[RequestOutput] = []
@@ -98,17 +148,13 @@ def run_step_loop(core: EngineCore, clock: Callable[[], float], next_command: Ca
                 log.exception("engine step failed; aborting all requests")
                 on_step_error(exc)
                 outputs += [o for rid in core.unfinished_request_ids() if (o := core.abort(rid, clock()))]
+        outputs = interval.release(outputs, clock())
         s = core.scheduler.stats()
         key = (s.num_running, s.num_waiting, s.num_prefilling, s.num_kv_blocks_used // 8)
         changed = key != last_key
         last_key = key
         if outputs or changed:
             publish(outputs, core.snapshot(clock()), changed)
-
-
-def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one request as one: the deltas joined, the counters of the later."""
-    return dataclasses.replace(later, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids)
 
 
 class RequestStream:
@@ -256,7 +302,8 @@ class AsyncEngine(EngineHandle):
         def on_step_error(exc: BaseException) -> None:
             self.step_error = exc
 
-        run_step_loop(self.core, self.clock, next_command, on_added, publish, on_step_error)
+        run_step_loop(self.core, self.clock, next_command, on_added, publish, on_step_error,
+                      self.core.config.stream_interval_ms / 1000.0)
 
 
 # ---- the core in a child process -------------------------------------------------------------------------
@@ -356,7 +403,8 @@ def _child_main(config: EngineConfig, conn: Connection) -> None:
         replies.put(_Failed(_portable(exc)))
 
     try:
-        run_step_loop(core, clock, next_command, on_added, publish, on_step_error)
+        run_step_loop(core, clock, next_command, on_added, publish, on_step_error,
+                      config.stream_interval_ms / 1000.0)
     finally:
         replies.close()
 

@@ -67,6 +67,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preserve_thinking: bool = False
     torch_threads: int | None = None
+    # Outputs of a request that is already streaming are released at most this often (see
+    # async_engine.StreamInterval); 0 releases every step's tokens at once. Offline generate ignores it.
+    stream_interval_ms: float = 0.0
     spec: SpecConfig = field(default_factory=SpecConfig)
 
 

@@ -105,3 +105,20 @@ def test_the_cpu_child_starts_with_short_openmp_spins_unless_the_operator_chose(
     monkeypatch.setenv("GOMP_SPINCOUNT", "7")
     with _child_environment(config(tmp_path)):
         assert os.environ["GOMP_SPINCOUNT"] == "7"
+
+
+async def test_a_stream_interval_merges_outputs_without_changing_the_tokens(tiny_model: Path) -> None:
+    prompt = [5, 6, 7, 8, 9]
+
+    async def outputs(engine: ProcessEngine | AsyncEngine) -> list[tuple[int, ...]]:
+        stream = await engine.add_request("r", prompt, SamplingParams(max_tokens=60, temperature=0.0,
+                                                                      ignore_eos=True))
+        return [out.token_ids async for out in stream]
+
+    async with AsyncEngine(EngineCore(config(tiny_model))) as engine:
+        each_step = await outputs(engine)
+    # An interval far longer than the whole request: everything after the first text waits for the end.
+    async with ProcessEngine(config(tiny_model, stream_interval_ms=1000)) as engine:
+        held = await outputs(engine)
+    assert [t for out in held for t in out] == [t for out in each_step for t in out]
+    assert len(each_step) >= 30 and len(held) <= 3, (len(each_step), len(held))
