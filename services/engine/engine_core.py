@@ -563,7 +563,8 @@ class EngineCore(PromptEncoder):
             f"free {where} {gib:.1f} GiB; KV capacity {self.kv_capacity_tokens} tokens "
             f"({self.config.kv_dtype}, {math.ceil(self.kv_cache.nbytes / 2**20)} MiB); "
             f"lanes {self.config.max_concurrency}; queue {self.config.max_pending_requests}; "
-            f"max context {self.max_context}{self._describe_spec()}"
+            f"max context {self.max_context}; stream interval {self.config.stream_interval_ms:g} ms"
+            f"{self._describe_spec()}"
         )
 
     def _describe_spec(self) -> str:
