@@ -92,7 +92,7 @@ def body_deadline_middleware(timeout_s: float) -> Any:
 
     @web.middleware
     async def body_deadline(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.body_exists:
+        if request.body_exists and not request.content.is_eof():  # most bodies came with the headers
             try:
                 async with asyncio.timeout(timeout_s):
                     await request.read()

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -32,13 +33,52 @@ def data_dir(flag: str | None = None) -> Path:
     return path
 
 
+class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Log lines to stderr through a buffer, written out at least every ``flush_every_s``.
+
+    ``sys.stderr`` is line-buffered, so a plain handler makes one ``write`` system call per line: at
+    thousands of requests a second the gateway's access log alone took ~5 % of its CPU in those calls.
+    Here lines collect in a 64 KiB buffer that a daemon thread flushes while there is something in it
+    (and ``logging.shutdown`` at exit flushes the rest). Warnings and errors are flushed at once.
+    """
+
+    def __init__(self, flush_every_s: float = 0.05) -> None:
+        stream = open(sys.stderr.fileno(), "w", buffering=65536, closefd=False, encoding="utf-8",
+                      errors="backslashreplace")
+        super().__init__(stream)
+        self._dirty = threading.Event()
+        self._flush_every_s = flush_every_s
+        threading.Thread(target=self._flusher, name="log-flush", daemon=True).start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.stream.write(self.format(record) + self.terminator)
+        except Exception:
+            self.handleError(record)
+            return
+        if record.levelno >= logging.WARNING:
+            self.flush()
+        else:
+            self._dirty.set()
+
+    def _flusher(self) -> None:
+        while self._dirty.wait():
+            time.sleep(self._flush_every_s)
+            self._dirty.clear()
+            self.flush()
+
+
 def setup_logging(level: str | None = None) -> None:
     """Only ``__main__`` modules call this. Logs go to stderr; readiness lines go to stdout."""
-    logging.basicConfig(
-        level=(level or os.environ.get("LLMGW_LOG_LEVEL") or "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    # The format uses none of these, and gathering them is most of the cost of a log record (the
+    # logging HOWTO's "Optimization" section).
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    logging._srcfile = None  # no caller lookup (file and line) per record
+    handler = BufferedStderrHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=(level or os.environ.get("LLMGW_LOG_LEVEL") or "INFO").upper(), handlers=[handler])
 
 
 class ThrottledLog:

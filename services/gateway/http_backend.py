@@ -25,6 +25,7 @@ from services.common.pool_config import MemberConfig
 from services.common.runtime import raise_if_cancelling
 
 _json = msgspec.json.Encoder()
+_MAX_HELD_LINE = 1 << 20  # bytes of an unfinished line held back while waiting for its end
 _RETRYABLE = frozenset({408, 500, 502, 503, 504})
 ENDPOINT_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions",
                   "embeddings": "/v1/embeddings"}
@@ -157,32 +158,46 @@ class HttpBackend:
                 await out.prepare(request)
                 first = True
                 skip_blank = False
-                async for line in resp.content:
+                pending = b""  # the start of a line whose end has not arrived yet
+                # Whatever one read brought goes out in one write (not one per line): the same bytes, at
+                # the same moment, with a fraction of the system calls.
+                async for data in resp.content.iter_any():
                     if first:
                         on_first_byte()
                         first = False
-                    if line.startswith(b"data: {"):
-                        try:
-                            event = msgspec.json.decode(line[6:])
-                        except msgspec.DecodeError:
-                            event = None
-                        if isinstance(event, dict):
-                            if event.get("usage"):
-                                result.usage = _usage(event["usage"])
-                            choices = event.get("choices")
-                            if choices and choices[0].get("finish_reason"):
-                                result.finish_reason = choices[0]["finish_reason"]
-                            has_text = choices and (choices[0].get("delta", {}).get("content")
-                                                    or choices[0].get("text"))
-                            if has_text and result.ttft_ms is None:
-                                result.ttft_ms = (time.monotonic() - started) * 1000.0
-                            if not choices and event.get("usage") and not client_wants_usage:
-                                skip_blank = True  # the usage chunk we injected: not the client's business
-                                continue
-                    elif skip_blank and line in (b"\n", b"\r\n"):
-                        skip_blank = False
-                        continue
-                    await out.write(line)
+                    *lines, pending = (pending + data).split(b"\n")
+                    passed: list[bytes] = []
+                    for bare in lines:
+                        line = bare + b"\n"
+                        if line.startswith(b"data: {"):
+                            try:
+                                event = msgspec.json.decode(line[6:])
+                            except msgspec.DecodeError:
+                                event = None
+                            if isinstance(event, dict):
+                                if event.get("usage"):
+                                    result.usage = _usage(event["usage"])
+                                choices = event.get("choices")
+                                if choices and choices[0].get("finish_reason"):
+                                    result.finish_reason = choices[0]["finish_reason"]
+                                has_text = choices and (choices[0].get("delta", {}).get("content")
+                                                        or choices[0].get("text"))
+                                if has_text and result.ttft_ms is None:
+                                    result.ttft_ms = (time.monotonic() - started) * 1000.0
+                                if not choices and event.get("usage") and not client_wants_usage:
+                                    skip_blank = True  # the usage chunk we injected: not the client's business
+                                    continue
+                        elif skip_blank and line in (b"\n", b"\r\n"):
+                            skip_blank = False
+                            continue
+                        passed.append(line)
+                    if len(pending) > _MAX_HELD_LINE:  # not SSE: pass it on rather than hold it
+                        passed.append(pending)
+                        pending = b""
+                    if passed:
+                        await out.write(b"".join(passed))
+                if pending:
+                    await out.write(pending)
                 await out.write_eof()
                 return out, result
         except TimeoutError:

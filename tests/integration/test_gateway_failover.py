@@ -3,7 +3,9 @@ members on loopback that answer like an OpenAI server, or fail the way real ones
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +33,11 @@ class Member:
     url: str = ""
     seen_paths: list[str] = field(default_factory=list)
 
-    async def chat(self, request: web.Request) -> web.Response:
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
         body = await request.json()
+        if body.get("stream"):
+            return await self.stream(request, body)
         if self.mode == "500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
         if self.mode == "408":
@@ -45,6 +49,25 @@ class Member:
             "id": "c1", "object": "chat.completion", "created": 0, "model": body["model"],
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+
+    async def stream(self, request: web.Request, body: dict) -> web.StreamResponse:  # type: ignore[type-arg]
+        """An SSE answer written in awkward pieces: lines split across writes, CRLF line ends, the usage
+        chunk the gateway asked for."""
+        assert body["stream_options"]["include_usage"] is True  # the gateway always asks for usage
+        events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+        events += [{"choices": [{"index": 0, "delta": {"content": word}}]} for word in ["hel", "lo ", "wörld"]]
+        events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        events.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}})
+        common = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
+        wire = b"".join(b"data: " + json.dumps({**common, **e}).encode() + b"\r\n\r\n" for e in events)
+        wire += b"data: [DONE]\n\n"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for start in range(0, len(wire), 37):  # 37 bytes at a time: most pieces end mid-line
+            await resp.write(wire[start:start + 37])
+            await asyncio.sleep(0.001)
+        await resp.write_eof()
+        return resp
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -151,3 +174,18 @@ async def test_http_member_is_not_tried_for_a_bad_request(nats_server, tmp_path)
                              headers={"Authorization": f"Bearer {s.gateway.bootstrap[1]}"}) as r:  # type: ignore[index]
             assert r.status == 400
         assert s.members[0].hits == 0
+
+
+async def test_an_http_members_stream_passes_through_minus_the_injected_usage(nats_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async with gateway_over(nats_server, tmp_path, ["ok"]) as s:
+        stream = await s.api.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                     stream=True)
+        chunks = [c async for c in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "hello wörld"
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert all(c.usage is None for c in chunks)  # the client did not ask: the usage chunk was stripped
+        stream = await s.api.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                     stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+        await wait_for(lambda: s.gateway.usage_published == 2)  # usage recorded either way
