@@ -331,12 +331,14 @@ def time_decode_attention(sizes: Sizes, report: Report) -> None:
 def write_checkpoint(sizes: Sizes, root: Path) -> Path:
     from services.engine.tiny_checkpoint import write_tiny_checkpoint
 
+    # mtp_layers=1: a random MTP module, drawn after the model's own weights (which it leaves unchanged),
+    # so the spec-decoding runs can time --spec mtp (its drafts are essentially never accepted).
     if sizes.device == "cpu":
-        return write_tiny_checkpoint(root / "tiny", "qwen3", dtype=sizes.model_dtype, seed=0)
+        return write_tiny_checkpoint(root / "tiny", "qwen3", dtype=sizes.model_dtype, seed=0, mtp_layers=1)
     return write_tiny_checkpoint(
         root / "qwen3-0.6b-shaped", "qwen3", hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
         head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
-        dtype="bfloat16", seed=0, max_position_embeddings=40960,
+        dtype="bfloat16", seed=0, max_position_embeddings=40960, mtp_layers=1,
     )
 
 
@@ -387,7 +389,8 @@ def serve(core: Any, requests: list[tuple[list[int], int]], concurrency: int, de
 
 
 def run_throughput(sizes: Sizes, report: Report, deadline: Deadline, seed: int, workdir: Path,
-                   backends: list[str]) -> None:
+                   backends: list[str]) -> Path:
+    """The throughput rows; returns the checkpoint it wrote (the spec-decoding runs reuse it)."""
     from services.engine.attention import TorchPagedAttention
     from services.engine.engine_core import EngineConfig, EngineCore
 
@@ -415,15 +418,23 @@ def run_throughput(sizes: Sizes, report: Report, deadline: Deadline, seed: int, 
          concurrency),
     ]
 
-    def attention_for(name: str) -> Any:
+    graphs = core.runner.graphs  # captured at start (CUDA + triton), else None
+    report.notes.append(f"CUDA graphs: {core.cuda_graphs}")
+
+    def use(name: str) -> None:
+        """"torch" and "triton" decode eagerly; "triton+graphs" replays the captured decode graphs."""
+        core.runner.graphs = graphs if name == "triton+graphs" else None
         if name == "torch":
-            return TorchPagedAttention()
+            core.model.attention = TorchPagedAttention()
+            return
         from services.engine.kernels.triton_attention import TritonPagedAttention
 
-        return TritonPagedAttention(**sizes.tiles)
+        core.model.attention = TritonPagedAttention(**sizes.tiles)
 
+    if "triton+graphs" in backends and graphs is None:
+        backends = [b for b in backends if b != "triton+graphs"]
     for name in backends:
-        core.model.attention = attention_for(name)
+        use(name)
         serve(core, [(solo_prompt[:16], 8)] * 2, 2, deadline, f"warmup-{name}")  # compiles kernels
     solo_tokens: dict[str, list[int]] = {}
     for label, requests, conc in runs:
@@ -436,20 +447,65 @@ def run_throughput(sizes: Sizes, report: Report, deadline: Deadline, seed: int, 
             if name == "triton" and sizes.device == "cpu" and label != "solo decode":
                 report.runs.append((*row, "-", "-", "not run: interpreted Triton in --cpu-smoke"))
                 continue
-            core.model.attention = attention_for(name)
+            use(name)
             tokens: dict[str, list[int]] = {}
             produced, wall, finished = serve(core, requests, conc, deadline, name, tokens)
             if label == "solo decode":
                 solo_tokens[name] = next(iter(tokens.values()))
             rate = f"{produced / wall:.1f}" + ("" if finished else " (partial: deadline hit)")
             report.runs.append((*row, f"{produced}/{expected}", f"{wall:.2f}", rate))
-    if len(solo_tokens) == 2:
-        a, b = solo_tokens["torch"], solo_tokens["triton"]
-        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        report.notes.append(
-            f"solo decode, greedy: the Triton and torch attention backends agree on the first {same} of "
-            f"{len(a)} tokens (information, not a check: in bf16 a near-tie argmax may flip on random weights)"
-        )
+    for first, second in (("torch", "triton"), ("triton", "triton+graphs")):
+        if first in solo_tokens and second in solo_tokens:
+            a, b = solo_tokens[first], solo_tokens[second]
+            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            report.notes.append(
+                f"solo decode, greedy: {first} and {second} agree on the first {same} of {len(a)} tokens "
+                "(information, not a check: in bf16 a near-tie argmax may flip on random weights, and the "
+                "graphs use a fixed split count per batch-size bucket)"
+            )
+    return path
+
+
+def run_spec_decode(sizes: Sizes, report: Report, deadline: Deadline, seed: int, path: Path) -> None:
+    """C=8 on repetitive prompts (a random phrase of up to 48 tokens said 4 times, then a random tail), greedy,
+    with speculation off, ``ngram`` and ``mtp`` (K=4): output tok/s and the engine's own acceptance
+    counters. Random weights: the figures time the mechanism; ngram finds what the random model repeats,
+    the random MTP module's drafts are essentially never accepted. A trained model's rates differ."""
+    from services.engine.engine_core import EngineConfig, EngineCore
+    from services.engine.spec_decode import SpecConfig
+
+    rng = random.Random(seed + 2)
+    phrase_len = min(48, sizes.max_len // 5)  # 4 phrases and a tail stay under max_len
+    prompts = []
+    for _ in range(8):
+        phrase = [rng.randrange(FIRST_ID, sizes.vocab_size) for _ in range(phrase_len)]
+        prompts.append(phrase * 4 + [rng.randrange(FIRST_ID, sizes.vocab_size) for _ in range(phrase_len // 3)])
+    requests = [(p, sizes.solo_output_tokens) for p in prompts]
+    for method in ("none", "ngram", "mtp"):
+        row = (f"spec {method}, K=4" if method != "none" else "spec off", "auto", "8", "8")
+        if deadline.left_s() < 40:
+            report.runs.append((*row, "-", "-", "not run: time budget"))
+            continue
+        spec = SpecConfig(method=method, num_draft_tokens=4) if method != "none" else SpecConfig()
+        core = EngineCore(EngineConfig(
+            model_path=path, device=sizes.device, dtype=sizes.model_dtype, max_concurrency=8,
+            max_pending_requests=8, max_context=2 * sizes.max_len, kv_capacity_tokens=16 * 2 * sizes.max_len,
+            max_num_batched_tokens=sizes.max_num_batched_tokens, spec=spec,
+        ))
+        serve(core, [(prompts[0][:16], 8)] * 2, 2, deadline, f"warmup-spec-{method}")
+        produced, wall, finished = serve(core, requests, 8, deadline, f"spec-{method}")
+        rate = f"{produced / wall:.1f}" + ("" if finished else " (partial: deadline hit)")
+        if core.spec_counters is not None:
+            stats = core.spec_counters.snapshot()
+            per_pos = ", ".join(f"{n / stats.num_drafts:.0%}" if stats.num_drafts else "-"
+                                for n in stats.num_accepted_tokens_per_pos)
+            report.notes.append(
+                f"spec {method}: {stats.num_drafts} drafts, {stats.num_draft_tokens} draft tokens, "
+                f"{stats.num_accepted_tokens} accepted ({stats.acceptance_rate:.1%}; per position {per_pos})")
+        report.runs.append((*row, f"{produced}/{sum(n for _, n in requests)}", f"{wall:.2f}", rate))
+        del core
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -482,8 +538,8 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu_bench: triton is not importable on this CUDA machine", file=sys.stderr)
             return 2
         sizes = _gpu_sizes(args.num_requests)
-        # Triton first: if the deadline cuts the standard workload short, the GPU path's figure is the one kept.
-        backends = ["triton", "torch"]
+        # The GPU path first: if the deadline cuts the standard workload short, its figure is the one kept.
+        backends = ["triton+graphs", "triton", "torch"]
 
     import triton
 
@@ -509,7 +565,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_bench: {name} done ({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
     if not args.skip_throughput:
         with tempfile.TemporaryDirectory(prefix="gpu_bench_") as tmp:
-            run_throughput(sizes, report, deadline, args.seed, Path(tmp), backends)
+            path = run_throughput(sizes, report, deadline, args.seed, Path(tmp), backends)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the throughput engine's KV cache is garbage by now
+            run_spec_decode(sizes, report, deadline, args.seed, path)
     text = report.markdown()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-interval-ms", type=_stream_interval, default=20.0, metavar="MS",
                         help="send a streaming request's tokens at most every MS milliseconds, merged (its first "
                              "text and its end are never held; default 20); 0: every token at once")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="decode eagerly on CUDA (default: decode steps replay CUDA graphs captured at start)")
     parser.add_argument("--in-process", action="store_true",
                         help="run the engine core on a thread of the API process instead of its own child "
                              "process (one process to debug; slower under load: the two share one GIL)")
@@ -179,7 +181,7 @@ def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, W
         kv_capacity_tokens=args.kv_capacity, max_concurrency=args.max_concurrency,
         max_pending_requests=args.max_pending_requests, max_context=args.max_context,
         preserve_thinking=args.preserve_thinking, spec=spec, backend=args.backend,
-        stream_interval_ms=args.stream_interval_ms,
+        stream_interval_ms=args.stream_interval_ms, cuda_graphs=not args.no_cuda_graphs,
         torch_threads=args.threads or (default_cpu_threads(args.in_process) if args.device == "cpu" else None),
     )
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preserve_thinking: bool = False
     torch_threads: int | None = None
+    # Decode steps through CUDA graphs where they can run (CUDA device, triton backend); False: eager always.
+    cuda_graphs: bool = True
     # Outputs of a request that is already streaming are released at most this often (see
     # async_engine.StreamInterval); 0 releases every step's tokens at once. Offline generate ignores it.
     stream_interval_ms: float = 0.0
@@ -241,6 +244,7 @@ class EngineCore(PromptEncoder):
             enable_prefix_caching=config.enable_prefix_caching,
         ))
         self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, config.block_size, self.device)
+        self.cuda_graphs = self._capture_decode_graphs()
         self.sampler = Sampler()
         self.eos_token_ids = self.tokenizer.stop_token_ids
         self._states: dict[str, _RequestState] = {}
@@ -273,6 +277,23 @@ class EngineCore(PromptEncoder):
                 block_size=config.block_size, max_concurrency=config.max_concurrency, kv_dtype=config.kv_dtype,
                 device=self.device,
             )
+
+    def _capture_decode_graphs(self) -> str:
+        """Capture the decode graphs where they apply; what happened, for the startup line."""
+        if not self.config.cuda_graphs:
+            return "off (--no-cuda-graphs)"
+        if self.device.type != "cuda" or self.backend != "triton":
+            return f"off ({self.device.type}, {self.backend} backend)"
+        started = time.monotonic()
+        try:
+            self.runner.enable_decode_graphs(self.config.max_concurrency, self.max_context)
+        except Exception as exc:  # eager decoding still works: say why and go on
+            self.runner.graphs = None
+            log.warning("CUDA graphs off: capture failed: %s", exc)
+            return f"off (capture failed: {type(exc).__name__})"
+        assert self.runner.graphs is not None
+        sizes = self.runner.graphs.sizes
+        return f"on (decode batch sizes {', '.join(map(str, sizes))}; captured in {time.monotonic() - started:.1f} s)"
 
     # ---- intake -------------------------------------------------------------------------------------
 
@@ -563,7 +584,8 @@ class EngineCore(PromptEncoder):
             f"free {where} {gib:.1f} GiB; KV capacity {self.kv_capacity_tokens} tokens "
             f"({self.config.kv_dtype}, {math.ceil(self.kv_cache.nbytes / 2**20)} MiB); "
             f"lanes {self.config.max_concurrency}; queue {self.config.max_pending_requests}; "
-            f"max context {self.max_context}; stream interval {self.config.stream_interval_ms:g} ms"
+            f"max context {self.max_context}; CUDA graphs {self.cuda_graphs}; "
+            f"stream interval {self.config.stream_interval_ms:g} ms"
             f"{self._describe_spec()}"
         )
 

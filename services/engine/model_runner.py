@@ -4,6 +4,10 @@ The scheduler decides *what* runs (which sequences, how many of their tokens, wh
 the runner only executes it: flatten the step's new tokens, build the attention metadata, run the model
 (which writes K/V into the cache), and project the last row of each sequence that needs sampling to
 logits. It never allocates blocks or decides admission.
+
+With :meth:`ModelRunner.enable_decode_graphs` (CUDA, Triton backend), a step in which every sequence
+decodes one token runs through CUDA graphs captured per batch-size bucket (kernels/cuda_graphs.py);
+prefill chunks, speculative verification and MTP steps (which need the hidden states) run eagerly.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Protocol
 import torch
 
 from services.engine.attention import KVCache, SeqSpan, build_attention_metadata
+from services.engine.kernels.cuda_graphs import DecodeGraphRunner, DecodeInputs, decode_metadata
 from services.engine.model import CausalLM
 from services.engine.model_config import ModelConfig
 
@@ -63,6 +68,43 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = torch.device(device)
+        self.graphs: DecodeGraphRunner | None = None
+        self._graph_max_seq_len = 0
+
+    def enable_decode_graphs(self, max_batch_size: int, max_context: int, *, capture: bool = True) -> None:
+        """Send one-token decode steps of up to ``max_batch_size`` sequences, each at most ``max_context``
+        long, through :class:`DecodeGraphRunner`; ``capture`` records its graphs now (CUDA only). Without
+        a capture the same path runs eagerly (how the CPU tests check it, with the Triton interpreter).
+
+        Needs an attention backend that reads only device tensors and takes a fixed split count
+        (TritonPagedAttention): each bucket is captured with the split count its batch size calls for.
+        """
+        if not hasattr(self.model.attention, "num_splits"):
+            raise ValueError(f"{type(self.model.attention).__name__} cannot be captured in a CUDA graph "
+                             "(it reads host-side lengths): use the triton backend")
+        max_blocks = -(-max_context // self.block_size)
+        self._graph_max_seq_len = max_blocks * self.block_size
+        self.graphs = DecodeGraphRunner(self._graph_step, max_batch_size=max_batch_size,
+                                        max_blocks_per_seq=max_blocks, device=self.device)
+        if capture:
+            with torch.inference_mode():
+                self.graphs.capture()
+
+    def _graph_step(self, inputs: DecodeInputs) -> torch.Tensor:
+        """A decode forward over static inputs (capturable): logits ``[B, vocab]``."""
+        from services.engine.kernels.decode_attention import default_num_splits
+
+        attention = self.model.attention
+        saved = attention.num_splits  # type: ignore[attr-defined]
+        # Fixed for the bucket: a graph replays the launch shape it recorded.
+        attention.num_splits = default_num_splits(  # type: ignore[attr-defined]
+            self._graph_max_seq_len, inputs.num_seqs, self.config.num_key_value_heads)
+        try:
+            meta = decode_metadata(inputs, self.block_size, self._graph_max_seq_len)
+            hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_cache)
+            return self.model.compute_logits(hidden)
+        finally:
+            attention.num_splits = saved  # type: ignore[attr-defined]
 
     def run(self, seqs: Sequence[StepSeq]) -> torch.Tensor:
         """Compute one step; return float32 logits ``[number of seqs with needs_logits, vocab_size]`` in
@@ -70,7 +112,41 @@ class ModelRunner:
 
         A sequence with ``num_draft_tokens = k > 0`` (speculative verification) contributes ``1 + k``
         rows, its last ``1 + k`` positions in order, instead of one."""
+        if self.graphs is not None and seqs and all(
+            len(s.token_ids) == 1 and s.needs_logits and not s.num_draft_tokens for s in seqs
+        ):
+            return self._run_decode(seqs)
         return self.run_with_hidden(seqs)[0]
+
+    def _run_decode(self, seqs: Sequence[StepSeq]) -> torch.Tensor:
+        assert self.graphs is not None
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        for seq in seqs:
+            pos = seq.start_pos
+            table = list(seq.block_table[: pos // bs + 1])
+            if len(table) <= pos // bs:
+                raise ValueError(f"block table of {len(table)} blocks does not cover position {pos}")
+            ids.append(seq.token_ids[0])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        device, long = self.device, torch.long
+        with torch.inference_mode():
+            inputs = DecodeInputs(
+                input_ids=torch.tensor(ids, dtype=long, device=device),
+                positions=torch.tensor(positions, dtype=long, device=device),
+                slot_mapping=torch.tensor(slots, dtype=long, device=device),
+                seq_lens=torch.tensor([p + 1 for p in positions], dtype=long, device=device),
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=long,
+                                          device=device).reshape(len(tables), width),
+            )
+            # A replayed result lives in the graph's output buffer until the next replay: copy it out.
+            return self.graphs.run(inputs).clone()
 
     def run_with_hidden(self, seqs: Sequence[StepSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`run`, plus the final-normed hidden states ``[T, hidden_size]`` of every token of the

@@ -471,3 +471,64 @@ def test_the_engine_on_the_triton_backend_generates_the_torch_backend_s_greedy_t
         assert llm.core.backend == backend
         outs[backend] = [c.token_ids for c in llm.generate(prompts, greedy(6, ignore_eos=True))]
     assert outs["triton"] == outs["torch"]
+
+
+def test_decode_steps_through_the_graph_runner_path_give_the_eager_tokens(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """ModelRunner.enable_decode_graphs on CPU without a capture: every one-token decode step goes through
+    the static-input path a CUDA graph replays (DecodeInputs, decode_metadata, a fixed split count per
+    bucket) and must give the same greedy tokens as the eager path; and a bucket's padded rows must not
+    change the real rows' logits."""
+    from services.engine.kernels.cuda_graphs import StaticDecodeBuffers
+    from services.engine.llm import LLM, greedy
+    from services.engine.tiny_checkpoint import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "qwen3", arch="qwen3")
+    prompts = ["the quick brown fox", "the quick brown fox jumps over", "a"]
+    eager = LLM(model, kv_capacity_tokens=512, max_concurrency=3, backend="triton", block_size=4)
+    expected = [c.token_ids for c in eager.generate(prompts, greedy(7, ignore_eos=True))]
+
+    llm = LLM(model, kv_capacity_tokens=512, max_concurrency=3, backend="triton", block_size=4)
+    runner = llm.core.runner
+    runner.enable_decode_graphs(max_batch_size=3, max_context=64, capture=False)
+    assert runner.graphs is not None and runner.graphs.sizes == (1, 2, 3)
+    decode_batches: list[int] = []
+    step_fn = runner.graphs.step_fn
+    runner.graphs.step_fn = lambda inputs: (decode_batches.append(inputs.num_seqs), step_fn(inputs))[1]
+    got = [c.token_ids for c in llm.generate(prompts, greedy(7, ignore_eos=True))]
+    assert got == expected
+    assert decode_batches and max(decode_batches) == 3  # the decode steps took the graph path
+
+    # Padding: 2 real rows in a bucket of 4 give the logits of the 2 rows alone, and write no cache block.
+    bs = llm.core.config.block_size
+    rows = [(5, 9, [1, 2, 3]), (7, 2, [4, 5])]  # (token, position, block table)
+    from services.engine.kernels.cuda_graphs import DecodeInputs
+
+    inputs = DecodeInputs(
+        input_ids=torch.tensor([r[0] for r in rows]), positions=torch.tensor([r[1] for r in rows]),
+        slot_mapping=torch.tensor([r[2][r[1] // bs] * bs + r[1] % bs for r in rows]),
+        seq_lens=torch.tensor([r[1] + 1 for r in rows]),
+        block_tables=torch.tensor([r[2] + [0] * (3 - len(r[2])) for r in rows]),
+    )
+    with torch.inference_mode():
+        alone = runner._graph_step(inputs)
+        before = [c.clone() for c in llm.core.kv_cache.key_caches]
+        padded = runner._graph_step(StaticDecodeBuffers(4, 8, "cpu").fill(inputs, 4))
+    assert torch.allclose(padded[:2], alone, atol=1e-5)
+    # The real rows rewrote their own slots (with the same K, up to the summation order of a bigger batch);
+    # every other slot, the last one too (where a slot of -1 would land if it were not skipped), is as it was.
+    real = {r[2][r[1] // bs] * bs + r[1] % bs for r in rows}
+    for old_cache, new_cache in zip(before, llm.core.kv_cache.key_caches):
+        flat_old, flat_new = old_cache.flatten(0, 1), new_cache.flatten(0, 1)  # [slots, heads, dim]
+        others = [i for i in range(flat_old.shape[0]) if i not in real]
+        assert torch.equal(flat_old[others], flat_new[others])
+        assert torch.allclose(flat_old[sorted(real)], flat_new[sorted(real)], atol=1e-5)
+
+
+def test_graphs_refuse_an_attention_backend_that_reads_host_lengths(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from services.engine.llm import LLM
+    from services.engine.tiny_checkpoint import write_tiny_checkpoint
+
+    llm = LLM(write_tiny_checkpoint(tmp_path / "m", arch="qwen3"), kv_capacity_tokens=64, backend="torch")
+    assert "CUDA graphs off (cpu, torch backend)" in llm.core.describe()
+    with pytest.raises(ValueError, match="triton backend"):
+        llm.core.runner.enable_decode_graphs(max_batch_size=2, max_context=32, capture=False)
