@@ -17,6 +17,8 @@ from proto.messages import (
     SlotHeartbeat,
     Timings,
     TokenChunk,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     UsageRecord,
 )
@@ -33,6 +35,8 @@ __all__ = [
     "SlotHeartbeat",
     "Timings",
     "TokenChunk",
+    "TokenLogprob",
+    "TopLogprob",
     "Usage",
     "UsageRecord",
     "decode",

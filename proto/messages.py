@@ -97,6 +97,24 @@ class ErrorInfo(_Msg):
     retry_after_s: float | None = None
 
 
+class TopLogprob(_Msg):
+    """One of a position's most likely tokens: its text, log-probability and UTF-8 bytes (a byte-level
+    token may be part of a character, so its text alone can be lossy)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] = []
+
+
+class TokenLogprob(_Msg):
+    """The chosen token at one output position, with the position's most likely tokens, best first."""
+
+    token: str
+    logprob: float
+    bytes: list[int] = []
+    top_logprobs: list[TopLogprob] = []
+
+
 class TokenChunk(_Msg):
     """engine → gateway on the request's reply inbox, in order (``index`` counts from 0).
 
@@ -113,6 +131,8 @@ class TokenChunk(_Msg):
     timings: Timings | None = None
     error: ErrorInfo | None = None
     worker_id: str = ""
+    # One per entry of ``token_ids`` when the request asked for logprobs (GenerateRequest.logprobs).
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def is_final(self) -> bool:

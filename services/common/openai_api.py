@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from proto import ChatMessage, GenerateRequest, Timings, TokenChunk, Usage
+from proto import ChatMessage, GenerateRequest, Timings, TokenChunk, TokenLogprob, Usage
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES = 4
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs; the engine's too
 
 
 class InvalidRequest(ValueError):
@@ -133,8 +134,14 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     if endpoint == "chat.completions":
         messages: list[ChatMessage] | None = _messages(body)
         prompt = None
-        if body.get("logprobs"):
-            logprobs = _int(body, "top_logprobs", 0) or 0
+        asked = body.get("logprobs", False)
+        if not isinstance(asked, bool) and asked is not None:
+            raise InvalidRequest("'logprobs' must be a boolean (the number goes in 'top_logprobs')", "logprobs")
+        top = _int(body, "top_logprobs", 0)
+        if top is not None and top > MAX_LOGPROBS:
+            raise InvalidRequest(f"'top_logprobs' must be <= {MAX_LOGPROBS}, got {top}", "top_logprobs")
+        if asked:
+            logprobs = top or 0
     else:
         messages = None
         prompt = body.get("prompt")
@@ -143,6 +150,8 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         if not isinstance(prompt, str):
             raise InvalidRequest("'prompt' is required and must be a string", "prompt")
         logprobs = _int(body, "logprobs", 0)
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise InvalidRequest(f"'logprobs' must be <= {MAX_LOGPROBS}, got {logprobs}", "logprobs")
     generate = GenerateRequest(
         request_id="",
         model=model,
@@ -176,8 +185,32 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     }
 
 
+def logprobs_body(parsed: ParsedRequest, entries: list[TokenLogprob] | None, text_offset: int = 0
+                  ) -> dict[str, Any] | None:
+    """``choices[0].logprobs`` for ``entries`` (None when the request did not ask for logprobs).
+
+    Chat: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": None}``. Legacy
+    completions: ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``, the offsets
+    counted in characters of the completion's text from ``text_offset`` (where this piece starts)."""
+    if parsed.generate.logprobs is None or entries is None:
+        return None
+    if parsed.endpoint == "chat.completions":
+        return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+                             "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes}
+                                              for t in e.top_logprobs]} for e in entries],
+                "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+            "text_offset": offsets}
+
+
 def completion_body(
-    parsed: ParsedRequest, response_id: str, created: int, text: str, final: TokenChunk
+    parsed: ParsedRequest, response_id: str, created: int, text: str, final: TokenChunk,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any]
     if parsed.endpoint == "chat.completions":
@@ -190,7 +223,7 @@ def completion_body(
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
+                    "logprobs": logprobs_body(parsed, logprobs),
                     "finish_reason": final.finish_reason,
                 }
             ],
@@ -201,7 +234,8 @@ def completion_body(
             "object": "text_completion",
             "created": created,
             "model": parsed.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs_body(parsed, logprobs),
+                         "finish_reason": final.finish_reason}],
         }
     body["usage"] = usage_body(final.usage)
     if final.timings is not None:
@@ -228,17 +262,19 @@ def stream_chunk(
     text: str | None = None,
     role: bool = False,
     finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One SSE chunk; ``logprobs`` is a :func:`logprobs_body` for the tokens of this chunk's text."""
     if parsed.endpoint == "chat.completions":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": response_id, "object": obj, "created": created, "model": parsed.model, "choices": [choice]}
 

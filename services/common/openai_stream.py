@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from proto import TokenChunk
+from proto import TokenChunk, TokenLogprob
 from services.common import openai_api
 from services.common.http import HTTPError
 
@@ -48,17 +48,20 @@ async def _collect(parsed: openai_api.ParsedRequest, request_id: str, chunks: As
                    on_final: OnFinal) -> web.Response:
     started = time.monotonic()
     parts: list[str] = []
+    logprobs: list[TokenLogprob] | None = None if parsed.generate.logprobs is None else []
     ttft_ms: float | None = None
     async for chunk in chunks:
         if chunk.text and ttft_ms is None:
             ttft_ms = (time.monotonic() - started) * 1000.0
         parts.append(chunk.text)
+        if logprobs is not None and chunk.logprobs:
+            logprobs += chunk.logprobs
         if chunk.is_final:
             on_final(chunk, ttft_ms)
             if chunk.error is not None:
                 raise chunk_error(chunk)
             body = openai_api.completion_body(
-                parsed, response_id(parsed, request_id), int(time.time()), "".join(parts), chunk
+                parsed, response_id(parsed, request_id), int(time.time()), "".join(parts), chunk, logprobs
             )
             return web.Response(body=_json.encode(body), content_type="application/json",
                                 headers={"X-Request-Id": request_id})
@@ -81,14 +84,17 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
         await response.write(b"data: " + _json.encode(obj) + b"\n\n")
 
     ttft_ms: float | None = None
+    text_offset = 0  # legacy completions' logprobs count character offsets across the whole completion
     if parsed.endpoint == "chat.completions":
         await send(openai_api.stream_chunk(parsed, rid, created, role=True, text=""))
     try:
         async for chunk in chunks:
-            if chunk.text:
-                if ttft_ms is None:
+            logprobs = openai_api.logprobs_body(parsed, chunk.logprobs, text_offset) if chunk.logprobs else None
+            if chunk.text or logprobs is not None:  # a token without text yet (part of a character) has logprobs
+                if ttft_ms is None and chunk.text:
                     ttft_ms = (time.monotonic() - started) * 1000.0
-                await send(openai_api.stream_chunk(parsed, rid, created, text=chunk.text))
+                await send(openai_api.stream_chunk(parsed, rid, created, text=chunk.text, logprobs=logprobs))
+                text_offset += sum(len(e.token) for e in chunk.logprobs or ())
             if chunk.is_final:
                 on_final(chunk, ttft_ms)
                 if chunk.error is not None:

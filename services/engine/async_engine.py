@@ -60,7 +60,11 @@ _Command = _Add | _Abort | None  # None: stop (abort what is left and return)
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one: the deltas joined, the counters of the later."""
-    return dataclasses.replace(later, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids)
+    logprobs = None
+    if earlier.logprobs is not None or later.logprobs is not None:
+        logprobs = (earlier.logprobs or ()) + (later.logprobs or ())
+    return dataclasses.replace(later, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids,
+                               logprobs=logprobs)
 
 
 class StreamInterval:

@@ -34,7 +34,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.mtp_proposer import MTPProposer, MTPRows
 from services.engine.rejection_sampler import verify_greedy, verify_random
 from services.engine.request import Request, RequestStatus
-from services.engine.sampler import Sampler, sampling_probs
+from services.engine.sampler import Sampler, TokenLogprobs, sampling_probs
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
 from services.engine.spec_decode import SpecConfig, SpecDecodeCounters, SpecDecodeStats, check_mtp, propose_ngram
@@ -101,6 +101,8 @@ class RequestOutput:
     # Speculative decoding, so far for this request: draft tokens proposed, and accepted by the target.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # One entry per token in ``token_ids`` when the request asked for logprobs, else None.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -193,6 +195,14 @@ class PromptEncoder:
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
+
+
+def _by_request(request_ids: Sequence[str], logprobs: Sequence[TokenLogprobs | None] | None
+                ) -> dict[str, TokenLogprobs]:
+    """The sampler's per-row logprobs keyed by the rows' request ids (the rows that asked only)."""
+    if logprobs is None:
+        return {}
+    return {rid: lp for rid, lp in zip(request_ids, logprobs, strict=True) if lp is not None}
 
 
 class EngineCore(PromptEncoder):
@@ -349,19 +359,22 @@ class EngineCore(PromptEncoder):
         requests = [self.scheduler.get_request(s.request_id) for s in sampled_seqs]
         params = [r.sampling_params for r in requests if r is not None]
         generators = [self._states[r.request_id].generator for r in requests if r is not None]
-        token_ids, _logprobs = self.sampler.sample(logits, params, generators)
+        token_ids, logprobs = self.sampler.sample(logits, params, generators)
         sampled = {s.request_id: t for s, t in zip(sampled_seqs, token_ids, strict=True)}
+        token_logprobs = _by_request([s.request_id for s in sampled_seqs], logprobs)
         t = now()
         updated = self.scheduler.update_from_output(plan, sampled, t)
         self._throughput.add(t, plan.num_prefill_tokens, plan.num_decode_tokens)
         outputs = []
         for request in updated:
-            if request.request_id not in sampled:
+            rid = request.request_id
+            if rid not in sampled:
                 continue  # a prefill chunk that is not the last: nothing to say yet
-            outputs.append(self._emit(request, sampled[request.request_id], t))
+            outputs.append(self._emit(request, sampled[rid], t, token_logprobs.get(rid)))
         return outputs
 
-    def _emit(self, request: Request, token_id: int, now: float) -> RequestOutput:
+    def _emit(self, request: Request, token_id: int, now: float,
+              logprob: TokenLogprobs | None = None) -> RequestOutput:
         state = self._states[request.request_id]
         self.output_tokens_total += 1
         finished_by_token = request.is_finished and request.finish_reason == "stop"
@@ -375,7 +388,7 @@ class EngineCore(PromptEncoder):
                 text += state.stop_checker.feed(state.detokenizer.flush()).text_to_emit
                 text += state.stop_checker.flush()
             del self._states[request.request_id]
-        return self._output(request, text, (token_id,), now)
+        return self._output(request, text, (token_id,), now, None if logprob is None else (logprob,))
 
     # ---- speculative decoding ------------------------------------------------------------------------
 
@@ -402,9 +415,13 @@ class EngineCore(PromptEncoder):
             params = [r.sampling_params for r in requests if r is not None]
             generators = [self._states[r.request_id].generator for r in requests if r is not None]
             plain_logits = logits if len(plain_rows) == row else logits[plain_rows]
-            token_ids, _logprobs = self.sampler.sample(plain_logits, params, generators)
+            token_ids, logprobs = self.sampler.sample(plain_logits, params, generators)
             sampled = dict(zip(plain_ids, token_ids, strict=True))
+            token_logprobs = _by_request(plain_ids, logprobs)
+        else:
+            token_logprobs = {}
         accepted: dict[str, list[int]] = {}
+        run_logprobs: dict[str, tuple[TokenLogprobs, ...]] = {}
         scans: dict[str, tuple[str, bool]] = {}
         for seq, first_row in spec_seqs:
             request = self.scheduler.get_request(seq.request_id)
@@ -416,6 +433,10 @@ class EngineCore(PromptEncoder):
             num_kept, text, is_stopped = self._scan_run(request, tokens, skip_last=reason == "stop")
             accepted[seq.request_id] = tokens[:num_kept]
             scans[seq.request_id] = (text, is_stopped)
+            if (top_n := request.sampling_params.logprobs) is not None:
+                # Each kept token's row of the verification logits is the target's distribution there.
+                rows = logits[first_row : first_row + num_kept]
+                run_logprobs[seq.request_id] = tuple(self.sampler.token_logprobs(rows, tokens[:num_kept], top_n))
         t = now()
         updated = self.scheduler.update_from_output(plan, sampled, t, accepted)
         num_extra = sum(len(run) - 1 for run in accepted.values())
@@ -425,9 +446,9 @@ class EngineCore(PromptEncoder):
             rid = request.request_id
             if rid in accepted:
                 text, is_stopped = scans[rid]
-                outputs.append(self._emit_run(request, accepted[rid], text, is_stopped, t))
+                outputs.append(self._emit_run(request, accepted[rid], text, is_stopped, t, run_logprobs.get(rid)))
             elif rid in sampled:
-                outputs.append(self._emit(request, sampled[rid], t))
+                outputs.append(self._emit(request, sampled[rid], t, token_logprobs.get(rid)))
         return outputs
 
     def _verify(self, request: Request, drafts: Sequence[int], logits: torch.Tensor) -> list[int]:
@@ -462,7 +483,7 @@ class EngineCore(PromptEncoder):
         return len(tokens), text, False
 
     def _emit_run(self, request: Request, tokens: Sequence[int], text: str, is_stopped: bool,
-                  now: float) -> RequestOutput:
+                  now: float, logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
         """:meth:`_emit` for a run already detokenized and scanned by :meth:`_scan_run`."""
         state = self._states[request.request_id]
         self.output_tokens_total += len(tokens)
@@ -473,7 +494,7 @@ class EngineCore(PromptEncoder):
                 text += state.stop_checker.feed(state.detokenizer.flush()).text_to_emit
                 text += state.stop_checker.flush()
             del self._states[request.request_id]
-        return self._output(request, text, tuple(tokens), now)
+        return self._output(request, text, tuple(tokens), now, logprobs)
 
     def _propose_drafts(self, plan: SchedulerOutput, hidden: torch.Tensor | None) -> None:
         """Give every caught-up running request (one token short of its KV) drafts for the next step.
@@ -542,7 +563,8 @@ class EngineCore(PromptEncoder):
             offset += len(seq.token_ids)
         return rows
 
-    def _output(self, request: Request, text: str, token_ids: tuple[int, ...], now: float) -> RequestOutput:
+    def _output(self, request: Request, text: str, token_ids: tuple[int, ...], now: float,
+                logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
         timings = None
         if request.is_finished:
             start = request.first_scheduled_s if request.first_scheduled_s is not None else now
@@ -560,6 +582,7 @@ class EngineCore(PromptEncoder):
             num_cached_tokens=request.num_cached_prompt_tokens or 0,
             num_output_tokens=request.num_output_tokens, timings=timings,
             num_draft_tokens=request.num_draft_tokens, num_accepted_draft_tokens=request.num_accepted_draft_tokens,
+            logprobs=logprobs,
         )
 
     # ---- telemetry ---------------------------------------------------------------------------------

@@ -102,18 +102,31 @@ class Sampler:
         logits: torch.Tensor, params: Sequence[SamplingParams], sampled: torch.Tensor
     ) -> list[TokenLogprobs | None]:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        lp = torch.log_softmax(logits[rows], dim=-1)
-        chosen = lp.gather(1, sampled[rows].unsqueeze(1)).squeeze(1).tolist()
-        max_n = max(params[i].logprobs or 0 for i in rows)
-        top_vals, top_ids = lp.topk(max_n, dim=-1) if max_n > 0 else (lp[:, :0], lp[:, :0].long())
-        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
         sampled_l = sampled.tolist()
+        max_n = max(params[i].logprobs or 0 for i in rows)
+        found = Sampler.token_logprobs(logits[rows], [sampled_l[i] for i in rows], max_n)
         out: list[TokenLogprobs | None] = [None] * len(params)
-        for j, i in enumerate(rows):
+        for lp, i in zip(found, rows, strict=True):
             k = params[i].logprobs or 0
-            top = tuple(zip(top_ids_l[j][:k], top_vals_l[j][:k], strict=True))
-            out[i] = TokenLogprobs(token_id=sampled_l[i], logprob=chosen[j], top=top)
+            out[i] = lp if k == max_n else TokenLogprobs(lp.token_id, lp.logprob, lp.top[:k])
         return out
+
+    @staticmethod
+    def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_n: int) -> list[TokenLogprobs]:
+        """Row ``i``'s log-probability of ``token_ids[i]`` and its ``top_n`` best ``(id, logprob)``: the
+        model's own distribution (log-softmax of the raw logits, before temperature, top-k or top-p)."""
+        if not token_ids:
+            return []
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=lp.device)
+        chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+        if top_n > 0:
+            top_vals, top_ids = lp.topk(top_n, dim=-1)
+            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        else:
+            top_vals_l = top_ids_l = [[] for _ in token_ids]
+        return [TokenLogprobs(token_id=t, logprob=c, top=tuple(zip(i, v, strict=True)))
+                for t, c, i, v in zip(token_ids, chosen, top_ids_l, top_vals_l, strict=True)]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:

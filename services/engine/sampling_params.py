@@ -11,10 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.openai_api import MAX_LOGPROBS  # OpenAI's cap; bounds the per-step host transfer
 from services.engine.errors import InvalidParameterError
-
-# OpenAI caps top_logprobs at 20; keeping the same cap bounds the per-step host transfer.
-MAX_LOGPROBS = 20
 
 # torch.Generator.manual_seed accepts the unsigned 64-bit range.
 _MAX_SEED = 2**64 - 1

@@ -217,7 +217,7 @@ class EngineService:
             index = 0
             async for output in stream:
                 index += 1
-                yield output_chunk(request_id, index, output, self.worker_id)
+                yield output_chunk(self.core.tokenizer, request_id, index, output, self.worker_id)
 
         try:
             return await openai_stream.respond(request, parsed, request_id, chunks(),

@@ -27,6 +27,21 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from services.engine.errors import ChatTemplateError, ModelLoadError
 
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character each byte 0..255 is written as."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_UNICODE_TO_BYTE = _byte_level_table()
 _THINK_BLOCK = re.compile(r"<think>.*?</think>\n*", re.DOTALL)
 # A reply that starts inside reasoning (the generation prompt already opened <think>) has only the closer.
 _DANGLING_THINK = re.compile(r"^.*?</think>\n*", re.DOTALL)
@@ -96,6 +111,7 @@ class Tokenizer:
         generation_eos_ids: Sequence[int] = (),
     ) -> None:
         self._tok = tokenizer
+        self._byte_level = type(tokenizer.decoder).__name__ == "ByteLevel"
         self.bos_token = _token_string(config.get("bos_token"))
         self.eos_token = _token_string(config.get("eos_token"))
         self.pad_token = _token_string(config.get("pad_token"))
@@ -156,6 +172,27 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (what logprobs report): byte-level BPE pieces (GPT-2 / Llama 3 /
+        Qwen) mapped back through the byte-to-character table, SentencePiece byte-fallback pieces
+        (``<0x0A>``) as their byte, ``▁`` as a space; special tokens as their text."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self.special_token_ids:
+            return piece.encode("utf-8")
+        if self._byte_level:
+            try:
+                return bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+            except KeyError:  # an added (non-special) token stored as plain text
+                return piece.encode("utf-8")
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
 
     def apply_chat_template(
         self,

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nats.aio.client import Client
@@ -24,6 +25,8 @@ from proto import (
     SlotHeartbeat,
     Timings,
     TokenChunk,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     decode,
     encode,
@@ -38,7 +41,9 @@ from services.engine.errors import (
     InvalidParameterError,
     QueueFullError,
 )
+from services.engine.sampler import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
+from services.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +205,8 @@ class BusWorker:
         try:
             async for output in stream:
                 index += 1
-                await self._reply(inbox, output_chunk(req.request_id, index, output, self.config.worker_id))
+                await self._reply(inbox, output_chunk(self.engine.core.tokenizer, req.request_id, index, output,
+                                                      self.config.worker_id))
         finally:
             stream.close()  # cancelled (client gone, shutdown): abort in the engine, free its blocks
 
@@ -214,13 +220,31 @@ def prepare_request(core: PromptEncoder, req: GenerateRequest) -> tuple[list[int
     return prompt_ids, sampling_params(req, core.max_context, len(prompt_ids))
 
 
-def output_chunk(request_id: str, index: int, output: RequestOutput, worker_id: str) -> TokenChunk:
+def render_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprobs]) -> list[TokenLogprob]:
+    """Token ids to what clients read: each token's text (lossy for part of a UTF-8 character: the bytes
+    are exact) and log-probability, and the same for the position's most likely tokens."""
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        raw = tokenizer.token_bytes(token_id)
+        return TopLogprob(token=raw.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(raw))
+
+    out = []
+    for lp in logprobs:
+        raw = tokenizer.token_bytes(lp.token_id)
+        out.append(TokenLogprob(token=raw.decode("utf-8", errors="replace"), logprob=lp.logprob, bytes=list(raw),
+                                top_logprobs=[top(t, v) for t, v in lp.top]))
+    return out
+
+
+def output_chunk(tokenizer: Tokenizer, request_id: str, index: int, output: RequestOutput, worker_id: str
+                 ) -> TokenChunk:
     """One engine output as a TokenChunk; the final one carries usage and llama.cpp-style timings."""
+    logprobs = None if output.logprobs is None else render_logprobs(tokenizer, output.logprobs)
     if not output.finished:
-        return TokenChunk(request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids))
+        return TokenChunk(request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids),
+                          logprobs=logprobs)
     t = output.timings
     return TokenChunk(
-        request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids),
+        request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids), logprobs=logprobs,
         finish_reason=output.finish_reason,  # type: ignore[arg-type]
         usage=Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
                     cached_tokens=output.num_cached_tokens),

@@ -55,9 +55,12 @@ def _get(summary: str) -> dict[str, Any]:
 def document() -> dict[str, Any]:
     chat = {"type": "object", "required": ["model", "messages"],
             "properties": {"model": {"type": "string"}, "messages": {"type": "array", "minItems": 1,
-                                                                      "items": _MESSAGE}, **_SAMPLING}}
+                                                                      "items": _MESSAGE}, **_SAMPLING,
+                           "logprobs": {"type": "boolean"},
+                           "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
     completion = {"type": "object", "required": ["model", "prompt"],
-                  "properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, **_SAMPLING}}
+                  "properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, **_SAMPLING,
+                                 "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
     embeddings = {"type": "object", "required": ["model", "input"],
                   "properties": {"model": {"type": "string"},
                                  "input": {"oneOf": [{"type": "string"}, {"type": "array"}]}}}

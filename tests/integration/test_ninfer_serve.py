@@ -70,6 +70,37 @@ async def test_openai_client_reads_streams_and_bodies_with_timings_and_usage(tin
         assert again.model_extra["timings"]["cache_n"] == cached
 
 
+async def test_logprobs_in_chat_and_completions_streamed_and_not(tiny_model: Path, tmp_path: Path) -> None:
+    async with serve(tiny_model, tmp_path) as s:
+        c = client(s.url)
+        ask = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+               "logprobs": True, "top_logprobs": 2}
+        whole = await c.chat.completions.create(**ask)  # type: ignore[call-overload]
+        content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert len(content) == whole.usage.completion_tokens  # type: ignore[union-attr]
+        assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
+        assert all(e.top_logprobs[0].logprob == pytest.approx(e.logprob) for e in content)  # greedy: the best
+        stream = await c.chat.completions.create(**ask, stream=True)  # type: ignore[call-overload]
+        streamed = [e for ch in [ch async for ch in stream] if ch.choices and ch.choices[0].logprobs
+                    for e in ch.choices[0].logprobs.content or ()]
+        assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+        assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+        plain = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4)
+        assert plain.choices[0].logprobs is None  # not asked, not sent
+
+        legacy = await c.completions.create(model="tiny", prompt="once upon", max_tokens=6, temperature=0,
+                                            logprobs=1)
+        lp = legacy.choices[0].logprobs
+        assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+        stream = await c.completions.create(model="tiny", prompt="once upon", max_tokens=6, temperature=0,
+                                            logprobs=1, stream=True)
+        pieces = [ch.choices[0].logprobs for ch in [ch async for ch in stream] if ch.choices and ch.choices[0].logprobs]
+        assert [t for p in pieces for t in p.tokens] == lp.tokens
+        assert [o for p in pieces for o in p.text_offset] == lp.text_offset
+
+
 async def test_slots_and_usage_have_the_interop_shapes(tiny_model: Path, tmp_path: Path) -> None:
     async with serve(tiny_model, tmp_path) as s, aiohttp.ClientSession() as http:
         await client(s.url).completions.create(model="tiny", prompt="hello", max_tokens=3)

@@ -63,6 +63,16 @@ async def test_streaming_chat_sends_role_then_content_then_finish_and_usage(stac
     assert rows == [(False, 1), (True, 1)]
 
 
+async def test_logprobs_cross_the_bus(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key)
+    resp = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "count"}], max_tokens=5, temperature=0,
+        logprobs=True, top_logprobs=3,
+    )
+    content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert len(content) == resp.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)  # type: ignore[union-attr]
+
+
 async def test_completions_endpoint_and_models_listing(stack: Stack) -> None:
     client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key)
     models = await client.models.list()

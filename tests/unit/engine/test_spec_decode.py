@@ -232,7 +232,7 @@ def test_sampled_requests_run_with_speculation_and_report_drafts_in_the_final_ch
             tokens, _, reason, n = summary(outputs)
             assert reason == "length" and n == len(tokens) == 20
         final = out["r0"][-1]
-        chunk = output_chunk("r0", 9, final, "w")
+        chunk = output_chunk(core.tokenizer, "r0", 9, final, "w")
         assert chunk.timings is not None
         assert (chunk.timings.draft_n, chunk.timings.draft_n_accepted) == (
             final.num_draft_tokens, final.num_accepted_draft_tokens)
