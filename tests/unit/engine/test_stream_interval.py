@@ -60,3 +60,18 @@ def test_one_clock_for_all_requests() -> None:
     assert interval.release([out("a", "a3", (3,), 3)], 1.025) == []
     released = interval.release([], 1.030)
     assert sorted(released, key=lambda o: o.request_id) == [out("a", "a2a3", (2, 3), 3), out("b", "b2", (2,), 2)]
+
+
+def test_held_outputs_keep_their_logprobs_in_order() -> None:
+    from dataclasses import replace
+
+    from services.engine.sampler import TokenLogprobs
+
+    def lp(token: int) -> TokenLogprobs:
+        return TokenLogprobs(token, -0.1 * token, ((token, -0.1 * token),))
+
+    interval = StreamInterval(0.020)
+    interval.release([replace(out("a", "x", (1,), 1), logprobs=(lp(1),))], 1.000)
+    assert interval.release([replace(out("a", "y", (2,), 2), logprobs=(lp(2),))], 1.001) == []
+    released = interval.release([replace(out("a", "z", (3,), 3, "length"), logprobs=(lp(3),))], 1.002)
+    assert released[0].token_ids == (2, 3) and released[0].logprobs == (lp(2), lp(3))
