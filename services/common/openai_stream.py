@@ -80,36 +80,41 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
     await response.prepare(request)
     rid, created = response_id(parsed, request_id), int(time.time())
 
-    async def send(obj: Any) -> None:
-        await response.write(b"data: " + _json.encode(obj) + b"\n\n")
+    def event(obj: Any) -> bytes:
+        return b"data: " + _json.encode(obj) + b"\n\n"
 
     ttft_ms: float | None = None
     text_offset = 0  # legacy completions' logprobs count character offsets across the whole completion
+    # The last events (the final chunk's text, finish, usage, [DONE]) go out in one write with the end of
+    # the chunked body: one system call instead of four or five.
+    tail: list[bytes] = []
     if parsed.endpoint == "chat.completions":
-        await send(openai_api.stream_chunk(parsed, rid, created, role=True, text=""))
+        await response.write(event(openai_api.stream_chunk(parsed, rid, created, role=True, text="")))
     try:
         async for chunk in chunks:
+            out = tail if chunk.is_final else []
             logprobs = openai_api.logprobs_body(parsed, chunk.logprobs, text_offset) if chunk.logprobs else None
             if chunk.text or logprobs is not None:  # a token without text yet (part of a character) has logprobs
                 if ttft_ms is None and chunk.text:
                     ttft_ms = (time.monotonic() - started) * 1000.0
-                await send(openai_api.stream_chunk(parsed, rid, created, text=chunk.text, logprobs=logprobs))
+                out.append(event(openai_api.stream_chunk(parsed, rid, created, text=chunk.text, logprobs=logprobs)))
                 text_offset += sum(len(e.token) for e in chunk.logprobs or ())
             if chunk.is_final:
                 on_final(chunk, ttft_ms)
                 if chunk.error is not None:
-                    await send(_error_event(chunk_error(chunk)))
+                    tail.append(event(_error_event(chunk_error(chunk))))
                 else:
                     final = openai_api.stream_chunk(parsed, rid, created, finish_reason=chunk.finish_reason)
                     if chunk.timings is not None:
                         final["timings"] = openai_api.timings_body(chunk.timings)
-                    await send(final)
+                    tail.append(event(final))
                     if parsed.include_usage:
-                        await send(openai_api.usage_chunk(parsed, rid, created, chunk.usage))
+                        tail.append(event(openai_api.usage_chunk(parsed, rid, created, chunk.usage)))
+            elif out:
+                await response.write(out[0])
     except HTTPError as err:
         # The status line is gone already: end the stream with an error event instead.
         on_error(err)
-        await send(_error_event(err))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+        tail.append(event(_error_event(err)))
+    await response.write_eof(b"".join(tail) + b"data: [DONE]\n\n")
     return response
