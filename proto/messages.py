@@ -58,6 +58,9 @@ class GenerateRequest(_Msg):
     api_key_id: str | None = None
     deadline_s: float | None = None
     protocol: int = PROTOCOL_VERSION
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 class Usage(_Msg):

@@ -165,6 +165,9 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         stop=_stop(body),
         ignore_eos=bool(body.get("ignore_eos", False)),
         logprobs=logprobs,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
     )
     return ParsedRequest(endpoint, model, stream, include_usage, generate)
 

@@ -205,6 +205,14 @@ def _by_request(request_ids: Sequence[str], logprobs: Sequence[TokenLogprobs | N
     return {rid: lp for rid, lp in zip(request_ids, logprobs, strict=True) if lp is not None}
 
 
+def _histories(requests: Sequence[Request | None]) -> list[tuple[list[int], list[int]] | None] | None:
+    """``(prompt ids, output ids)`` per request for the sampler's penalties; None when no request has any."""
+    if not any(r is not None and r.sampling_params.has_penalties for r in requests):
+        return None
+    return [(r.prompt_token_ids, r.output_token_ids) if r is not None and r.sampling_params.has_penalties else None
+            for r in requests if r is not None]
+
+
 class EngineCore(PromptEncoder):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -359,7 +367,7 @@ class EngineCore(PromptEncoder):
         requests = [self.scheduler.get_request(s.request_id) for s in sampled_seqs]
         params = [r.sampling_params for r in requests if r is not None]
         generators = [self._states[r.request_id].generator for r in requests if r is not None]
-        token_ids, logprobs = self.sampler.sample(logits, params, generators)
+        token_ids, logprobs = self.sampler.sample(logits, params, generators, _histories(requests))
         sampled = {s.request_id: t for s, t in zip(sampled_seqs, token_ids, strict=True)}
         token_logprobs = _by_request([s.request_id for s in sampled_seqs], logprobs)
         t = now()
@@ -415,7 +423,7 @@ class EngineCore(PromptEncoder):
             params = [r.sampling_params for r in requests if r is not None]
             generators = [self._states[r.request_id].generator for r in requests if r is not None]
             plain_logits = logits if len(plain_rows) == row else logits[plain_rows]
-            token_ids, logprobs = self.sampler.sample(plain_logits, params, generators)
+            token_ids, logprobs = self.sampler.sample(plain_logits, params, generators, _histories(requests))
             sampled = dict(zip(plain_ids, token_ids, strict=True))
             token_logprobs = _by_request(plain_ids, logprobs)
         else:
@@ -512,6 +520,8 @@ class EngineCore(PromptEncoder):
                 continue  # drafts still pending (not scheduled last step), or still prefilling
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue
+            if request.sampling_params.has_penalties:
+                continue  # verification compares against unpenalised target rows: such requests do not speculate
             # The step verifying k drafts may append k + 1 tokens: never plan past max_tokens.
             k = min(spec.num_draft_tokens, request.sampling_params.max_tokens - request.num_output_tokens - 1)
             if k > 0:

@@ -46,11 +46,13 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Sample one token per row of ``logits`` ``[N, V]``.
 
-        Returns ``(token_ids, logprobs)``; ``logprobs`` is None when no row asked for them, else a list
-        with None for the rows that did not.
+        ``histories[i]`` is row ``i``'s ``(prompt ids, output ids so far)``, needed by rows with penalties
+        (see SamplingParams); None where a row has none. Returns ``(token_ids, logprobs)``; ``logprobs``
+        is None when no row asked for them, else a list with None for the rows that did not.
         """
         n = logits.shape[0]
         if logits.dim() != 2 or len(params) != n or len(generators) != n:
@@ -58,7 +60,9 @@ class Sampler:
                 f"logits {tuple(logits.shape)} must be [N, V] with N = len(params) = len(generators) "
                 f"({len(params)}, {len(generators)})"
             )
-        logits = logits.float()
+        raw = logits = logits.float()
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(raw.clone(), params, histories)
         greedy = [p.is_greedy for p in params]
         sampled = logits.argmax(dim=-1)
         if not all(greedy):
@@ -68,7 +72,7 @@ class Sampler:
         token_ids: list[int] = sampled.tolist()
         if not any(p.logprobs is not None for p in params):
             return token_ids, None
-        return token_ids, self._logprobs(logits, params, sampled)
+        return token_ids, self._logprobs(raw, params, sampled)
 
     def _sample_random(
         self,
@@ -127,6 +131,27 @@ class Sampler:
             top_vals_l = top_ids_l = [[] for _ in token_ids]
         return [TokenLogprobs(token_id=t, logprob=c, top=tuple(zip(i, v, strict=True)))
                 for t, c, i, v in zip(token_ids, chosen, top_ids_l, top_vals_l, strict=True)]
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties, in place on the rows that have them."""
+    for i, p in enumerate(params):
+        if not p.has_penalties:
+            continue
+        if histories is None or histories[i] is None:
+            raise ValueError(f"row {i} has penalties but no token history")
+        prompt, output = histories[i]  # type: ignore[misc]
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long, device=logits.device)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if output and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            ids, counts = torch.unique(torch.tensor(list(output), dtype=torch.long, device=logits.device),
+                                       return_counts=True)
+            row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    return logits
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:

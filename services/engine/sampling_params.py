@@ -34,6 +34,11 @@ class SamplingParams:
     - ``stop_token_ids``: token ids that finish the request with ``"stop"`` (even with ``ignore_eos``).
     - ``ignore_eos``: do not stop on the model's end-of-sequence tokens.
     - ``logprobs``: return the top-n log-probabilities per output token (0..20), or None for none.
+    - ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, -2..2): subtracted from the logit of every
+      token already in the output, once / once per occurrence. ``repetition_penalty`` (> 0, 1 is off;
+      the CTRL / vLLM one): logits of tokens in the prompt or the output are divided by it when positive
+      and multiplied by it when negative. Applied before temperature, top-k and top-p, in that order
+      (as vLLM does); logprobs stay the model's own distribution.
 
     Sequences given for ``stop``/``stop_token_ids`` are stored as tuples so the value stays hashable.
     """
@@ -47,6 +52,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Callers naturally pass lists (JSON arrays); freeze them so the dataclass stays immutable.
@@ -59,6 +67,10 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the request takes the argmax token (temperature 0)."""
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def effective_top_k(self) -> int:
@@ -86,6 +98,12 @@ class SamplingParams:
         n = self.logprobs
         if n is not None and (not _is_int(n) or not (0 <= n <= MAX_LOGPROBS)):
             raise InvalidParameterError("logprobs", n, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise InvalidParameterError(name, value, "must be a number in [-2, 2]")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidParameterError("repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
         return self
 
 

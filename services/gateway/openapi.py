@@ -34,6 +34,9 @@ _SAMPLING = {
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "n": {"type": "integer", "const": 1},
     "ignore_eos": {"type": "boolean"},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
 }
 
 

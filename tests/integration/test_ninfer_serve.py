@@ -101,6 +101,18 @@ async def test_logprobs_in_chat_and_completions_streamed_and_not(tiny_model: Pat
         assert [o for p in pieces for o in p.text_offset] == lp.text_offset
 
 
+async def test_penalties_reach_the_sampler_and_bad_ones_are_400(tiny_model: Path, tmp_path: Path) -> None:
+    async with serve(tiny_model, tmp_path) as s:
+        c = client(s.url)
+        ask = {"model": "tiny", "prompt": "a b a b a b", "max_tokens": 16, "temperature": 0}
+        plain = await c.completions.create(**ask)  # type: ignore[call-overload]
+        penalised = await c.completions.create(**ask, frequency_penalty=2.0, presence_penalty=2.0)  # type: ignore[call-overload]
+        assert plain.choices[0].text != penalised.choices[0].text
+        with pytest.raises(openai.BadRequestError) as err:
+            await c.completions.create(**ask, presence_penalty=3.0)  # type: ignore[call-overload]
+        assert err.value.body["param"] == "presence_penalty"  # type: ignore[index]
+
+
 async def test_slots_and_usage_have_the_interop_shapes(tiny_model: Path, tmp_path: Path) -> None:
     async with serve(tiny_model, tmp_path) as s, aiohttp.ClientSession() as http:
         await client(s.url).completions.create(model="tiny", prompt="hello", max_tokens=3)
