@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,10 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     generate: GenerateRequest  # request_id/gateway fields are filled in by the service
+    # OpenAI parameters present with a value our engine does not implement (tools, response_format, ...):
+    # ninfer-serve refuses the request (400 naming the first); the gateway sends it only to HTTP members,
+    # which get the client's body as it came.
+    unsupported: tuple[str, ...] = ()
 
 
 def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -169,7 +174,41 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
     )
-    return ParsedRequest(endpoint, model, stream, include_usage, generate)
+    return ParsedRequest(endpoint, model, stream, include_usage, generate, _unsupported(body, endpoint))
+
+
+# Parameters that change what a reply must be, each with the test for a value that asks for something:
+# accepting such a request and ignoring the parameter would hand the client a silently wrong answer.
+_CHAT_ONLY: dict[str, Callable[[Any], bool]] = {
+    "tools": bool, "functions": bool,
+    "tool_choice": lambda v: v not in (None, "none"),
+    "function_call": lambda v: v not in (None, "none"),
+    "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type") in (None, "text")),
+    "modalities": lambda v: v is not None and v != ["text"],
+    "audio": lambda v: v is not None,
+    "prediction": lambda v: v is not None,
+}
+_COMPLETIONS_ONLY: dict[str, Callable[[Any], bool]] = {
+    "echo": bool, "suffix": bool,
+    "best_of": lambda v: v not in (None, 1),
+}
+_BOTH: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": bool,
+    "min_p": lambda v: v not in (None, 0, 0.0),
+    "min_tokens": lambda v: v not in (None, 0),
+}
+
+
+def _unsupported(body: dict[str, Any], endpoint: str) -> tuple[str, ...]:
+    checks = {**_BOTH, **(_CHAT_ONLY if endpoint == "chat.completions" else _COMPLETIONS_ONLY)}
+    return tuple(name for name, asks in checks.items() if name in body and asks(body[name]))
+
+
+def unsupported_error(parsed: ParsedRequest, engine: str) -> InvalidRequest:
+    """The 400 for a request that asks for something ``engine`` does not implement."""
+    name = parsed.unsupported[0]
+    return InvalidRequest(f"'{name}' is not supported by {engine}: send the request without it, or route the "
+                          "model to an engine that implements it", name, code="unsupported_parameter")
 
 
 def empty_generate(model: str) -> GenerateRequest:

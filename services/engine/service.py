@@ -200,6 +200,9 @@ class EngineService:
             parsed = openai_api.parse_request(body, endpoint)
         except openai_api.InvalidRequest as exc:
             raise HTTPError(400, str(exc), param=exc.param, code=exc.code) from None
+        if parsed.unsupported:
+            exc = openai_api.unsupported_error(parsed, "ninfer-serve")
+            raise HTTPError(400, str(exc), param=exc.param, code=exc.code)
         if parsed.model != self.core.model_id:
             raise HTTPError(404, f"model '{parsed.model}' does not exist (this engine serves "
                                  f"'{self.core.model_id}')", code="model_not_found", param="model")

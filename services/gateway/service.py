@@ -536,6 +536,11 @@ class GatewayService:
             ref = refs[member_id]
             if parsed.endpoint == "embeddings" and ref.kind != "http":
                 continue  # our engines do not serve embeddings
+            if parsed.unsupported and ref.kind != "http":
+                # Asks for what our engines do not implement (tools, ...): HTTP members get the body as it came.
+                exc = openai_api.unsupported_error(parsed, f"engine {member_id}")
+                last_error = last_error or HTTPError(400, str(exc), param=exc.param, code=exc.code)
+                continue
             outcome.member_id = member_id
             outcome.routing_reason = decision.reason if attempt == 0 else f"failover:{decision.reason}"
             pending = max(0, prompt_chars - decision.affinity_chars(member_id))

@@ -32,10 +32,12 @@ class Member:
     hits: int = 0
     url: str = ""
     seen_paths: list[str] = field(default_factory=list)
+    bodies: list[dict] = field(default_factory=list)  # type: ignore[type-arg]
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
         body = await request.json()
+        self.bodies.append(body)
         if body.get("stream"):
             return await self.stream(request, body)
         if self.mode == "500":
@@ -189,3 +191,12 @@ async def test_an_http_members_stream_passes_through_minus_the_injected_usage(na
         chunks = [c async for c in stream]
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
         await wait_for(lambda: s.gateway.usage_published == 2)  # usage recorded either way
+
+
+async def test_parameters_our_engines_lack_still_reach_an_http_member_as_sent(nats_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async with gateway_over(nats_server, tmp_path, ["ok"]) as s:
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+        reply = await s.api.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                    tools=tools, tool_choice="auto")  # type: ignore[arg-type]
+        assert reply.choices[0].message.content == "hello"
+        assert s.members[0].bodies[-1]["tools"] == tools and s.members[0].bodies[-1]["tool_choice"] == "auto"

@@ -111,6 +111,11 @@ async def test_penalties_reach_the_sampler_and_bad_ones_are_400(tiny_model: Path
         with pytest.raises(openai.BadRequestError) as err:
             await c.completions.create(**ask, presence_penalty=3.0)  # type: ignore[call-overload]
         assert err.value.body["param"] == "presence_penalty"  # type: ignore[index]
+        # Asked for what the engine does not do: refused by name, not answered as if it had not been asked.
+        with pytest.raises(openai.BadRequestError) as err:
+            await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            tools=[{"type": "function", "function": {"name": "f"}}])
+        assert err.value.body["param"] == "tools" and err.value.body["code"] == "unsupported_parameter"  # type: ignore[index]
 
 
 async def test_slots_and_usage_have_the_interop_shapes(tiny_model: Path, tmp_path: Path) -> None:

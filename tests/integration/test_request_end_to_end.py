@@ -73,6 +73,15 @@ async def test_logprobs_cross_the_bus(stack: Stack) -> None:
     assert len(content) == resp.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)  # type: ignore[union-attr]
 
 
+async def test_a_parameter_our_engines_lack_is_a_400_naming_it(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                             response_format={"type": "json_object"})
+    assert err.value.body["param"] == "response_format"  # type: ignore[index]
+    assert err.value.body["code"] == "unsupported_parameter"  # type: ignore[index]
+
+
 async def test_completions_endpoint_and_models_listing(stack: Stack) -> None:
     client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key)
     models = await client.models.list()

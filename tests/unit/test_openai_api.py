@@ -1,0 +1,66 @@
+"""Request parsing (services/common/openai_api.py): parameters our engine cannot honour are named, not
+silently dropped; the logprobs and penalty parameters are validated and carried."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.common import openai_api
+from services.common.openai_api import InvalidRequest, parse_request
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+@pytest.mark.parametrize(("extra", "unsupported"), [
+    ({}, ()),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ("tools",)),
+    ({"tools": []}, ()),
+    ({"tool_choice": "none"}, ()),
+    ({"tool_choice": "auto"}, ("tool_choice",)),
+    ({"response_format": {"type": "text"}}, ()),
+    ({"response_format": {"type": "json_object"}}, ("response_format",)),
+    ({"logit_bias": {}}, ()),
+    ({"logit_bias": {"42": 5}}, ("logit_bias",)),
+    ({"modalities": ["text"]}, ()),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "x"}}, ("modalities", "audio")),
+    ({"user": "u1", "metadata": {"a": "b"}, "store": False}, ()),  # informational: nothing to honour
+])
+def test_chat_parameters_we_cannot_honour_are_named(extra: dict[str, Any], unsupported: tuple[str, ...]) -> None:
+    assert set(parse_request({**CHAT, **extra}, "chat.completions").unsupported) == set(unsupported)
+
+
+@pytest.mark.parametrize(("extra", "unsupported"), [
+    ({"echo": False, "best_of": 1, "suffix": ""}, ()),
+    ({"echo": True}, ("echo",)),
+    ({"best_of": 3}, ("best_of",)),
+    ({"suffix": "end"}, ("suffix",)),
+    ({"min_tokens": 4}, ("min_tokens",)),
+])
+def test_completion_parameters_we_cannot_honour_are_named(extra: dict[str, Any],
+                                                          unsupported: tuple[str, ...]) -> None:
+    parsed = parse_request({**COMPLETION, **extra}, "completions")
+    assert parsed.unsupported == unsupported
+    if unsupported:
+        err = openai_api.unsupported_error(parsed, "ninfer-serve")
+        assert err.param == unsupported[0] and err.code == "unsupported_parameter" and "ninfer-serve" in str(err)
+
+
+def test_logprobs_and_penalties_are_validated_and_carried() -> None:
+    chat = parse_request({**CHAT, "logprobs": True, "top_logprobs": 5, "presence_penalty": 0.5,
+                          "frequency_penalty": -1, "repetition_penalty": 1.2}, "chat.completions").generate
+    assert (chat.logprobs, chat.presence_penalty, chat.frequency_penalty, chat.repetition_penalty) == (5, 0.5, -1, 1.2)
+    assert parse_request({**CHAT, "top_logprobs": 5}, "chat.completions").generate.logprobs is None  # not asked
+    assert parse_request({**COMPLETION, "logprobs": 0}, "completions").generate.logprobs == 0
+    for body, endpoint, param in [
+        ({**CHAT, "logprobs": 3}, "chat.completions", "logprobs"),
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "chat.completions", "top_logprobs"),
+        ({**COMPLETION, "logprobs": 21}, "completions", "logprobs"),
+        ({**CHAT, "presence_penalty": 2.1}, "chat.completions", "presence_penalty"),
+        ({**CHAT, "repetition_penalty": 0}, "chat.completions", "repetition_penalty"),
+    ]:
+        with pytest.raises(InvalidRequest) as err:
+            parse_request(body, endpoint)
+        assert err.value.param == param
