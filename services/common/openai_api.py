@@ -10,6 +10,7 @@ from proto import ChatMessage, GenerateRequest, Timings, TokenChunk, TokenLogpro
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs; the engine's too
 
 
@@ -115,6 +116,18 @@ def _stop(body: dict[str, Any]) -> list[str]:
     return stop
 
 
+def _stop_token_ids(body: dict[str, Any]) -> list[int]:
+    """vLLM's extension: token ids that end the reply like a stop string (checked by the engine)."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return []
+    if (not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT for t in ids)):
+        raise InvalidRequest(f"'stop_token_ids' must be an array of at most {MAX_STOP_TOKEN_IDS} token ids (integers "
+                             ">= 0)", "stop_token_ids")
+    return ids
+
+
 def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -168,6 +181,7 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         top_k=int(_number(body, "top_k", 0, -1, 1_000_000)),
         seed=seed,
         stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body),
         ignore_eos=bool(body.get("ignore_eos", False)),
         logprobs=logprobs,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),

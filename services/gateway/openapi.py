@@ -34,6 +34,7 @@ _SAMPLING = {
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "n": {"type": "integer", "const": 1},
     "ignore_eos": {"type": "boolean"},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 64},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},

@@ -106,6 +106,16 @@ async def test_penalties_reach_the_sampler_and_bad_ones_are_400(tiny_model: Path
         c = client(s.url)
         ask = {"model": "tiny", "prompt": "a b a b a b", "max_tokens": 16, "temperature": 0}
         plain = await c.completions.create(**ask)  # type: ignore[call-overload]
+        # vLLM's stop_token_ids: the reply ends at the first occurrence of the given id (counted as output,
+        # as an EOS would be). The ids of the greedy reply come from the chat logprobs' bytes.
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "a b"}], "max_tokens": 8, "temperature": 0}
+        reply = await c.chat.completions.create(**chat, logprobs=True)  # type: ignore[call-overload]
+        tokenizer = s.service.core.tokenizer
+        by_bytes = {tokenizer.token_bytes(i): i for i in reversed(range(tokenizer.vocab_size))}
+        ids = [by_bytes[bytes(e.bytes)] for e in reply.choices[0].logprobs.content]  # type: ignore[union-attr]
+        stopped = await c.chat.completions.create(**chat, extra_body={"stop_token_ids": [ids[2]]})  # type: ignore[call-overload]
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.usage.completion_tokens == ids.index(ids[2]) + 1  # type: ignore[union-attr]
         penalised = await c.completions.create(**ask, frequency_penalty=2.0, presence_penalty=2.0)  # type: ignore[call-overload]
         assert plain.choices[0].text != penalised.choices[0].text
         with pytest.raises(openai.BadRequestError) as err:

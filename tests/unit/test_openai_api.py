@@ -64,3 +64,11 @@ def test_logprobs_and_penalties_are_validated_and_carried() -> None:
         with pytest.raises(InvalidRequest) as err:
             parse_request(body, endpoint)
         assert err.value.param == param
+
+
+def test_stop_token_ids_are_carried_and_checked() -> None:
+    assert parse_request({**COMPLETION, "stop_token_ids": [7, 9]}, "completions").generate.stop_token_ids == [7, 9]
+    for bad in ([-1], ["7"], [True], list(range(65)), 7):
+        with pytest.raises(InvalidRequest) as err:
+            parse_request({**COMPLETION, "stop_token_ids": bad}, "completions")
+        assert err.value.param == "stop_token_ids"
