@@ -76,7 +76,11 @@ def setup_logging(level: str | None = None) -> None:
     logging.logProcesses = False
     logging.logMultiprocessing = False
     logging._srcfile = None  # no caller lookup (file and line) per record
-    handler = BufferedStderrHandler()
+    handler: logging.Handler
+    try:
+        handler = BufferedStderrHandler()
+    except (AttributeError, OSError, ValueError):  # no stderr file descriptor (a detached process): plain
+        handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=(level or os.environ.get("LLMGW_LOG_LEVEL") or "INFO").upper(), handlers=[handler])
 
