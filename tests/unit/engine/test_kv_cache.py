@@ -116,3 +116,39 @@ def test_fp8_cache_greedy_tokens_equal_the_model_dtype_cache_on_a_fixed_fixture(
     fp8, _ = runner_greedy(make_runner(model, config, kv_cache_dtype="fp8"), prompt, 16, blocks)
     assert fp8 == reference
     assert len(set(reference)) > 4  # not a degenerate repeat-one-token fixture
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_decode_rows_grouped_by_context_length_give_the_one_batch_answer(kv_dtype: str) -> None:
+    """Many decode rows whose contexts differ a lot run as two groups padded to their own longest; the
+    result must equal one batch padded to the overall longest (and each row attended alone)."""
+    from dataclasses import replace
+
+    from services.engine.attention import TorchPagedAttention
+
+    torch.manual_seed(0)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32,
+                       kv_cache_dtype=kv_dtype)  # type: ignore[arg-type]
+    cache = KVCache.for_capacity_tokens(spec, 4096, "cpu")
+    lens = [5, 7, 6, 9, 8, 5, 6, 7, 10, 6, 150, 170, 160, 155, 165, 151, 168, 152, 158, 161]
+    spans, next_block = [], 1
+    for n in lens:
+        blocks = list(range(next_block, next_block + -(-n // 4)))
+        next_block += len(blocks)
+        spans.append(SeqSpan(n - 1, 1, blocks))
+    # Fill every context position, then attend with one new token per row.
+    for span in spans:
+        full = SeqSpan(0, span.start_pos, span.block_table)
+        meta, _ = build_attention_metadata([full], 4, "cpu")
+        cache.write(0, torch.randn(span.start_pos, 2, 8), torch.randn(span.start_pos, 2, 8), meta.slot_mapping)
+    meta, _ = build_attention_metadata(spans, 4, "cpu")
+    assert meta.decode is not None and meta.decode.groups is not None  # the lengths call for two groups
+    q, k, v = torch.randn(len(lens), 4, 8), torch.randn(len(lens), 2, 8), torch.randn(len(lens), 2, 8)
+    grouped = TorchPagedAttention().forward(0, q, k, v, meta, cache)
+    one_batch = TorchPagedAttention().forward(0, q, k, v, replace(meta, decode=replace(meta.decode, groups=None)),
+                                              cache)
+    assert torch.allclose(grouped, one_batch, atol=1e-5)
+    for i, span in enumerate(spans):  # and each row alone
+        alone_meta, _ = build_attention_metadata([span], 4, "cpu")
+        alone = TorchPagedAttention().forward(0, q[i : i + 1], k[i : i + 1], v[i : i + 1], alone_meta, cache)
+        assert torch.allclose(grouped[i], alone[0], atol=1e-5)
