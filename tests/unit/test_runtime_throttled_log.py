@@ -22,3 +22,39 @@ def test_repeats_within_the_period_are_held_back_and_counted(caplog) -> None:  #
     assert lines[1] == "another kind 1"
     assert lines[2] == "member e1 down (99) (and 49 more like it in the last 11 s)"
     assert len(lines) == 3
+
+
+def test_buffered_log_lines_reach_stderr_at_exit_and_errors_at_once() -> None:
+    """setup_logging buffers INFO lines (flushed within 50 ms or at exit) and writes errors at once."""
+    import os
+    import select
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import logging, sys\n"
+        "from services.common.runtime import setup_logging\n"
+        "setup_logging()\n"
+        "logging.getLogger('t').info('info line')\n"
+        "logging.getLogger('t').error('error line')\n"
+        "sys.stdin.readline()\n"  # hold on until the test has seen the error line
+        "logging.getLogger('t').info('last info line')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdin is not None and proc.stderr is not None
+    try:
+        seen = b""
+        while b"error line" not in seen:  # while the child still runs, blocked on its stdin
+            ready, _, _ = select.select([proc.stderr], [], [], 30)
+            assert ready, f"no error line on stderr while the process runs: {seen!r}"
+            seen += os.read(proc.stderr.fileno(), 65536)
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        seen += proc.stderr.read()
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+    lines = [line.split(": ", 1)[1] for line in seen.decode().splitlines() if line.strip()]
+    assert lines == ["info line", "error line", "last info line"]
