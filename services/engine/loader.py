@@ -15,7 +15,7 @@ Every failure is a ModelLoadError whose reason is one line naming the file, key 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import cast
@@ -62,36 +62,71 @@ def load_mtp_head(path: str | Path, model: CausalLM, config: ModelConfig) -> MTP
     files = _tensor_files(root)
     if config.num_mtp_layers > 1:
         raise ModelLoadError(str(root), f"config names {config.num_mtp_layers} MTP modules; only 1 is supported")
-    if not any(name.startswith(MTP_PREFIX) for name in files):
+    stored = mtp_tensor_aliases(files, config.num_hidden_layers)
+    if not stored and not any(name.startswith(MTP_PREFIX) for name in files):
         raise ModelLoadError(str(root), f"no {MTP_PREFIX}* tensors (the checkpoint has no MTP module)")
     device = model.embed_tokens.device
     head = MTPHead(config, model, dtype=model.dtype, device=device)
     _copy_tensors(root, files, _mtp_expected_shapes(config), lambda name: _mtp_destination(head, config, name),
-                  model.dtype)
+                  model.dtype, stored)
     return head.eval()
 
 
+# DeepSeek-V3's MTP names (its HF checkpoints store the module as the layer after the last one,
+# ``model.layers.<num_hidden_layers>.*``; converted ones under ``mtp.``) → the Qwen3-Next names used here.
+# The math is the same (vLLM's deepseek_mtp.py and qwen3_next_mtp.py): enorm / hnorm normalise the
+# embedding and the hidden state, eh_proj is fc over their concatenation, shared_head.norm is the final
+# norm. shared_head.head (DeepSeek's copy of the LM head) is not read: the main LM head is used.
+_DEEPSEEK_MTP_NAMES = {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
+                       "eh_proj.weight": "fc.weight", "shared_head.norm.weight": "norm.weight"}
+_BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
+
+
+def mtp_tensor_aliases(names: Iterable[str], num_hidden_layers: int) -> dict[str, str]:
+    """Qwen3-Next MTP name → the name the checkpoint stores it under, for a DeepSeek-style MTP layout
+    (``model.layers.<num_hidden_layers>.eh_proj.weight`` or ``mtp.eh_proj.weight`` present); empty for a
+    Qwen3-Next layout (or none)."""
+    names = set(names)
+    for prefix in (f"model.layers.{num_hidden_layers}.", MTP_PREFIX):
+        if f"{prefix}eh_proj.weight" not in names:
+            continue
+        aliases: dict[str, str] = {}
+        for name in names:
+            if not name.startswith(prefix):
+                continue
+            leaf = name.removeprefix(prefix)
+            if leaf in _DEEPSEEK_MTP_NAMES:
+                aliases[MTP_PREFIX + _DEEPSEEK_MTP_NAMES[leaf]] = name
+            elif leaf.startswith(_BLOCK_PARTS):
+                aliases[f"{MTP_PREFIX}layers.0.{leaf}"] = name
+        return aliases
+    return {}
+
+
 def _copy_tensors(root: Path, files: dict[str, str], expected: dict[str, tuple[int, ...]],
-                  destination: Callable[[str], torch.Tensor], dtype: torch.dtype) -> None:
-    """Copy every ``expected`` tensor (name → shape) from the checkpoint into ``destination(name)``."""
+                  destination: Callable[[str], torch.Tensor], dtype: torch.dtype,
+                  stored: dict[str, str] | None = None) -> None:
+    """Copy every ``expected`` tensor (name → shape) from the checkpoint into ``destination(name)``;
+    ``stored`` maps an expected name to the name the checkpoint has it under, where they differ."""
+    stored = stored or {}
     with ExitStack() as stack:
         handles = {}
-        for name, file in files.items():
-            if name not in expected:
-                continue
-            if file not in handles:
+        for name in expected:
+            file = files.get(stored.get(name, name))
+            if file is not None and file not in handles:
                 try:
                     handles[file] = stack.enter_context(safe_open(str(root / file), framework="pt"))
                 except (OSError, SafetensorError) as exc:
                     raise ModelLoadError(str(root / file), f"cannot read safetensors file: {exc}") from exc
         for name, shape in expected.items():
-            source = files.get(name)
+            stored_name = stored.get(name, name)
+            source = files.get(stored_name)
             if source is None:
-                raise ModelLoadError(str(root), f"missing tensor {name!r}")
-            tensor = handles[source].get_tensor(name)
+                raise ModelLoadError(str(root), f"missing tensor {stored_name!r}")
+            tensor = handles[source].get_tensor(stored_name)
             if tuple(tensor.shape) != shape:
                 raise ModelLoadError(
-                    str(root / source), f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
+                    str(root / source), f"tensor {stored_name!r} has shape {tuple(tensor.shape)}, expected {shape}"
                 )
             destination(name).copy_(tensor.to(dtype))
 

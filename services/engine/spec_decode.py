@@ -22,6 +22,7 @@ Pure: no clock, no I/O except :func:`check_mtp` reading a checkpoint's tensor na
 
 from __future__ import annotations
 
+import re
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -90,6 +91,9 @@ class SpecConfig:
         return self
 
 
+_DEEPSEEK_MTP = re.compile(r"model\.layers\.\d+\.eh_proj\.weight$")  # DeepSeek-V3's MTP layer (see loader)
+
+
 def check_mtp(model_path: Path) -> None:
     """Refuse ``--spec mtp`` at start, with the alternatives, when the checkpoint has no ``mtp.*`` tensors.
     (A checkpoint that has some but not the whole module fails in the loader, naming the missing tensor.)"""
@@ -97,9 +101,10 @@ def check_mtp(model_path: Path) -> None:
         names = checkpoint_tensor_names(model_path)
     except ModelLoadError:
         return  # the model load that follows reports the broken checkpoint itself
-    if not any(n.startswith("mtp.") for n in names):
+    if not any(n.startswith("mtp.") or _DEEPSEEK_MTP.match(n) for n in names):
         raise SpeculativeDecodingError(
-            f"{model_path} has no MTP weights (mtp.* tensors); use --spec ngram or --spec draft --draft-model PATH"
+            f"{model_path} has no MTP weights (mtp.* tensors, or DeepSeek-style model.layers.<N>.eh_proj); "
+            "use --spec ngram or --spec draft --draft-model PATH"
         )
 
 

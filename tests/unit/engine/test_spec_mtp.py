@@ -285,3 +285,39 @@ def test_the_whole_runbook_command_line_parses_with_kv_capacity_auto(qwen3_mtp: 
     assert serve.port == 8006
     with pytest.raises(SystemExit):
         parser.parse_args([str(qwen3_mtp), "--kv-capacity", "lots"])
+
+
+@pytest.mark.parametrize("layout", ["deepseek-v3", "deepseek-under-mtp"])
+def test_deepseek_style_mtp_names_load_the_same_module(qwen3_mtp: Path, tmp_path: Path, layout: str) -> None:
+    """The same MTP weights stored under DeepSeek-V3's names (enorm, hnorm, eh_proj, shared_head.norm and a
+    block, as the layer after the last, or under mtp.) give exactly the drafts of the Qwen3-Next names."""
+    renamed = tmp_path / layout
+    renamed.mkdir()
+    for f in qwen3_mtp.iterdir():
+        (renamed / f.name).write_bytes(f.read_bytes())
+    config = json.loads((renamed / "config.json").read_text())
+    prefix = f"model.layers.{config['num_hidden_layers']}." if layout == "deepseek-v3" else "mtp."
+    if layout == "deepseek-v3":  # DeepSeek's own key for the number of MTP modules
+        config["num_nextn_predict_layers"] = config.pop("mtp_num_hidden_layers", 1)
+        (renamed / "config.json").write_text(json.dumps(config))
+    names = {"pre_fc_norm_embedding.weight": "enorm.weight", "pre_fc_norm_hidden.weight": "hnorm.weight",
+             "fc.weight": "eh_proj.weight", "norm.weight": "shared_head.norm.weight"}
+    tensors = load_file(str(renamed / "model.safetensors"))
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith("mtp."):
+            leaf = name.removeprefix("mtp.")
+            name = prefix + (names[leaf] if leaf in names else leaf.removeprefix("layers.0."))
+        out[name] = tensor
+    head = tensors["lm_head.weight"] if "lm_head.weight" in tensors else tensors["model.embed_tokens.weight"]
+    out[prefix + "shared_head.head.weight"] = head.clone()  # DeepSeek stores a copy of the head: not read
+    assert not any(n.startswith("mtp.") for n in out) or layout == "deepseek-under-mtp"
+    save_file(out, str(renamed / "model.safetensors"))
+
+    spec = SpecConfig(method="mtp", num_draft_tokens=3)
+    original, copy = make_core(qwen3_mtp, spec), make_core(renamed, spec)
+    want = run(original, PROMPTS, greedy_params(), ARRIVALS)
+    got = run(copy, PROMPTS, greedy_params(), ARRIVALS)
+    assert {rid: summary(o) for rid, o in got.items()} == {rid: summary(o) for rid, o in want.items()}
+    assert copy.snapshot(0.0).spec == original.snapshot(0.0).spec  # the same drafts, accepted alike
+    assert original.snapshot(0.0).spec.num_draft_tokens > 0  # type: ignore[union-attr]
