@@ -61,6 +61,7 @@ class GenerateRequest(_Msg):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
 
 class Usage(_Msg):

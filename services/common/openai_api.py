@@ -187,6 +187,7 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        min_tokens=_int(body, "min_tokens", 0) or 0,
     )
     return ParsedRequest(endpoint, model, stream, include_usage, generate, _unsupported(body, endpoint))
 
@@ -209,7 +210,6 @@ _COMPLETIONS_ONLY: dict[str, Callable[[Any], bool]] = {
 _BOTH: dict[str, Callable[[Any], bool]] = {
     "logit_bias": bool,
     "min_p": lambda v: v not in (None, 0, 0.0),
-    "min_tokens": lambda v: v not in (None, 0),
 }
 
 

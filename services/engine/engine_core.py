@@ -34,7 +34,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.mtp_proposer import MTPProposer, MTPRows
 from services.engine.rejection_sampler import verify_greedy, verify_random
 from services.engine.request import Request, RequestStatus
-from services.engine.sampler import Sampler, TokenLogprobs, sampling_probs
+from services.engine.sampler import History, Sampler, TokenLogprobs, sampling_probs
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
 from services.engine.spec_decode import SpecConfig, SpecDecodeCounters, SpecDecodeStats, check_mtp, propose_ngram
@@ -205,12 +205,17 @@ def _by_request(request_ids: Sequence[str], logprobs: Sequence[TokenLogprobs | N
     return {rid: lp for rid, lp in zip(request_ids, logprobs, strict=True) if lp is not None}
 
 
-def _histories(requests: Sequence[Request | None]) -> list[tuple[list[int], list[int]] | None] | None:
-    """``(prompt ids, output ids)`` per request for the sampler's penalties; None when no request has any."""
-    if not any(r is not None and r.sampling_params.has_penalties for r in requests):
+def _histories(requests: Sequence[Request | None]) -> list[History | None] | None:
+    """What the sampler's penalties and min_tokens need, per request; None when no request has any."""
+    if not any(r is not None and r.sampling_params.shapes_logits for r in requests):
         return None
-    return [(r.prompt_token_ids, r.output_token_ids) if r is not None and r.sampling_params.has_penalties else None
-            for r in requests if r is not None]
+    return [_history(r) if r.sampling_params.shapes_logits else None for r in requests if r is not None]
+
+
+def _history(request: Request) -> History:
+    params = request.sampling_params
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids))
+    return History(request.prompt_token_ids, request.output_token_ids, tuple(sorted(stop_ids)))
 
 
 class EngineCore(PromptEncoder):
@@ -387,12 +392,15 @@ class EngineCore(PromptEncoder):
         self.output_tokens_total += 1
         finished_by_token = request.is_finished and request.finish_reason == "stop"
         delta = "" if finished_by_token else state.detokenizer.push(token_id)
-        scan = state.stop_checker.feed(delta)
-        text = scan.text_to_emit
-        if scan.is_stopped and not request.is_finished:
+        if request.num_output_tokens <= request.sampling_params.min_tokens:
+            text, is_stopped = delta, False  # min_tokens: stop strings count only in the text after it
+        else:
+            scan = state.stop_checker.feed(delta)
+            text, is_stopped = scan.text_to_emit, scan.is_stopped
+        if is_stopped and not request.is_finished:
             self.scheduler.finish_request(request.request_id, "stop", now)
         if request.is_finished:
-            if not scan.is_stopped:
+            if not is_stopped:
                 text += state.stop_checker.feed(state.detokenizer.flush()).text_to_emit
                 text += state.stop_checker.flush()
             del self._states[request.request_id]
@@ -520,8 +528,8 @@ class EngineCore(PromptEncoder):
                 continue  # drafts still pending (not scheduled last step), or still prefilling
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue
-            if request.sampling_params.has_penalties:
-                continue  # verification compares against unpenalised target rows: such requests do not speculate
+            if request.sampling_params.shapes_logits:
+                continue  # verification compares against the plain target rows: such requests do not speculate
             # The step verifying k drafts may append k + 1 tokens: never plan past max_tokens.
             k = min(spec.num_draft_tokens, request.sampling_params.max_tokens - request.num_output_tokens - 1)
             if k > 0:

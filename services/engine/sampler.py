@@ -46,13 +46,13 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-        histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
+        histories: Sequence[History | None] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Sample one token per row of ``logits`` ``[N, V]``.
 
-        ``histories[i]`` is row ``i``'s ``(prompt ids, output ids so far)``, needed by rows with penalties
-        (see SamplingParams); None where a row has none. Returns ``(token_ids, logprobs)``; ``logprobs``
-        is None when no row asked for them, else a list with None for the rows that did not.
+        ``histories[i]`` is what row ``i``'s penalties and ``min_tokens`` need (see SamplingParams); None
+        where a row has neither. Returns ``(token_ids, logprobs)``; ``logprobs`` is None when no row asked
+        for them, else a list with None for the rows that did not.
         """
         n = logits.shape[0]
         if logits.dim() != 2 or len(params) != n or len(generators) != n:
@@ -61,7 +61,7 @@ class Sampler:
                 f"({len(params)}, {len(generators)})"
             )
         raw = logits = logits.float()
-        if any(p.has_penalties for p in params):
+        if any(p.shapes_logits for p in params):
             logits = apply_penalties(raw.clone(), params, histories)
         greedy = [p.is_greedy for p in params]
         sampled = logits.argmax(dim=-1)
@@ -133,16 +133,29 @@ class Sampler:
                 for t, c, i, v in zip(token_ids, chosen, top_ids_l, top_vals_l, strict=True)]
 
 
+@dataclass(frozen=True, slots=True)
+class History:
+    """A row's tokens so far, and the ids that end it (suppressed while ``min_tokens`` is not reached)."""
+
+    prompt: Sequence[int]
+    output: Sequence[int]
+    stop_ids: Sequence[int] = ()
+
+
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
-                    histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None) -> torch.Tensor:
-    """Repetition, then frequency and presence penalties, in place on the rows that have them."""
+                    histories: Sequence[History | None] | None) -> torch.Tensor:
+    """``min_tokens``'s ban on stop ids, then repetition, frequency and presence penalties, in place on
+    the rows that have them."""
     for i, p in enumerate(params):
-        if not p.has_penalties:
+        if not p.shapes_logits:
             continue
-        if histories is None or histories[i] is None:
-            raise ValueError(f"row {i} has penalties but no token history")
-        prompt, output = histories[i]  # type: ignore[misc]
+        history = None if histories is None else histories[i]
+        if history is None:
+            raise ValueError(f"row {i} has penalties or min_tokens but no token history")
+        prompt, output = history.prompt, history.output
         row = logits[i]
+        if len(output) < p.min_tokens and history.stop_ids:
+            row[torch.tensor(list(history.stop_ids), dtype=torch.long, device=logits.device)] = float("-inf")
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long, device=logits.device)
             values = row[seen]

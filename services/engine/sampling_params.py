@@ -39,6 +39,8 @@ class SamplingParams:
       the CTRL / vLLM one): logits of tokens in the prompt or the output are divided by it when positive
       and multiplied by it when negative. Applied before temperature, top-k and top-p, in that order
       (as vLLM does); logprobs stay the model's own distribution.
+    - ``min_tokens`` (vLLM's): until this many tokens are out, the stop token ids and the model's EOS
+      cannot be sampled and stop strings do not end the reply (0: off; at most ``max_tokens``).
 
     Sequences given for ``stop``/``stop_token_ids`` are stored as tuples so the value stays hashable.
     """
@@ -55,6 +57,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Callers naturally pass lists (JSON arrays); freeze them so the dataclass stays immutable.
@@ -71,6 +74,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Its logits depend on its own history (penalties, min_tokens): sampled with that history, and
+        not speculated (verification compares drafts against the plain target rows)."""
+        return self.has_penalties or self.min_tokens > 0
 
     @property
     def effective_top_k(self) -> int:
@@ -104,6 +113,8 @@ class SamplingParams:
                 raise InvalidParameterError(name, value, "must be a number in [-2, 2]")
         if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
             raise InvalidParameterError("repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidParameterError("min_tokens", self.min_tokens, "must be an integer in [0, max_tokens]")
         return self
 
 

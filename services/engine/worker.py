@@ -78,7 +78,7 @@ def sampling_params(req: GenerateRequest, max_context: int, num_prompt_tokens: i
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
         stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
         logprobs=req.logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
+        repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
     )
 
 

@@ -10,7 +10,7 @@ import torch
 
 from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.errors import InvalidParameterError
-from services.engine.sampler import Sampler, apply_penalties
+from services.engine.sampler import History, Sampler, apply_penalties
 from services.engine.sampling_params import SamplingParams
 from services.engine.spec_decode import SpecConfig
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
@@ -20,7 +20,7 @@ from tests.unit.engine.model_helpers import hf_logits, hf_model
 def test_the_penalties_arithmetic() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
     params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)]
-    out = apply_penalties(logits.clone(), params, [([4], [0, 0, 1])])
+    out = apply_penalties(logits.clone(), params, [History([4], [0, 0, 1])])
     # repetition over prompt {4} and output {0, 1}: 2 -> 1, -1 -> -2, 1 -> 0.5; then frequency x count
     # and presence once for output tokens 0 (twice) and 1 (once).
     expected = torch.tensor([[1.0 - 0.5 - 0.5, -2.0 - 0.25 - 0.5, 0.5, 3.0, 0.5]])
@@ -29,7 +29,7 @@ def test_the_penalties_arithmetic() -> None:
     two = torch.tensor([[1.0, 2.0], [1.0, 2.0]])
     plain = SamplingParams(temperature=0.0)
     assert Sampler().sample(two, [plain, SamplingParams(temperature=0.0, frequency_penalty=2.0)], [None, None],
-                            [None, ([], [1])])[0] == [1, 0]
+                            [None, History([], [1])])[0] == [1, 0]
     assert torch.equal(two, torch.tensor([[1.0, 2.0], [1.0, 2.0]]))
 
 
@@ -43,7 +43,7 @@ def reference(hf: torch.nn.Module, prompt: list[int], n: int, params: SamplingPa
     out: list[int] = []
     for _ in range(n):
         logits = hf_logits(hf, prompt + out)[-1:].clone()
-        out.append(int(apply_penalties(logits, [params], [(prompt, out)]).argmax()))
+        out.append(int(apply_penalties(logits, [params], [History(prompt, out)]).argmax()))
     return out
 
 
@@ -69,3 +69,38 @@ def test_greedy_tokens_with_penalties_match_the_reference(tmp_path: Path, spec: 
     assert tokens["r0"] != unpenalised  # the penalty changed what greedy picks (else the test proves nothing)
     if spec is not None:
         assert core.spec_counters is not None and core.spec_counters.snapshot().num_drafts == 0
+
+
+def test_min_tokens_bans_the_stop_ids_until_reached() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0], [5.0, 1.0, 0.0]])
+    params = [SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4)] * 2
+    histories = [History([9], [1], stop_ids=(0,)), History([9], [1, 1], stop_ids=(0,))]
+    assert Sampler().sample(logits, params, [None, None], histories)[0] == [1, 0]  # banned, then allowed
+
+
+def test_min_tokens_holds_off_eos_and_stop_strings_in_the_engine(tmp_path: Path) -> None:
+    model = write_tiny_checkpoint(tmp_path / "m", arch="qwen3")
+    core = EngineCore(EngineConfig(model_path=model, kv_capacity_tokens=512, block_size=4, max_concurrency=2))
+    prompt = [5, 6, 7, 8]
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = [t for o in _run(core, prompt, plain) for t in o.token_ids]
+    text = core.tokenizer.decode(first)
+    # The greedy reply's own tokens as stop token ids and its first characters as a stop string: without
+    # min_tokens they end it at once; with min_tokens=6 it runs to at least 6 tokens.
+    stop_early = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(first[1],), stop=(text[:1],))
+    assert len([t for o in _run(core, prompt, stop_early) for t in o.token_ids]) <= 2
+    held = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(first[1],), stop=(text[:1],), min_tokens=6)
+    outputs = _run(core, prompt, held)
+    tokens = [t for o in outputs for t in o.token_ids]
+    assert len(tokens) >= 6 and first[1] not in tokens[:6]
+    with pytest.raises(InvalidParameterError):
+        SamplingParams(max_tokens=4, min_tokens=5).validate()
+
+
+def _run(core: EngineCore, prompt: list[int], params: SamplingParams) -> list:  # type: ignore[type-arg]
+    rid = f"r{core.admitted_total}"
+    core.add_request(rid, prompt, params, 0.0)
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs += [o for o in core.step(lambda: 0.0) if o.request_id == rid]
+    return outputs
