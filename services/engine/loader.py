@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from services.engine.errors import ModelLoadError
 from services.engine.kernels.backend import Backend
-from services.engine.model import CausalLM, DecoderLayer
+from services.engine.model import CausalLM, DecoderLayer, prepack_linear_weights
 from services.engine.model_config import DTYPES, ModelConfig
 from services.engine.mtp_head import MTP_PREFIX, MTPHead
 
@@ -51,6 +51,7 @@ def load_model(
 
     model = CausalLM(config, dtype=target_dtype, device=device, backend=backend)
     _copy_tensors(root, files, _expected_shapes(config), lambda name: _destination(model, config, name), target_dtype)
+    prepack_linear_weights(model.linear_weights())
     return model.eval(), config
 
 
@@ -69,6 +70,7 @@ def load_mtp_head(path: str | Path, model: CausalLM, config: ModelConfig) -> MTP
     head = MTPHead(config, model, dtype=model.dtype, device=device)
     _copy_tensors(root, files, _mtp_expected_shapes(config), lambda name: _mtp_destination(head, config, name),
                   model.dtype, stored)
+    prepack_linear_weights([head.fc_weight, *head.layer.linear_weights()])
     return head.eval()
 
 

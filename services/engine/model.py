@@ -17,6 +17,8 @@ greedy-equivalence tests hold us to.
 from __future__ import annotations
 
 import math
+import weakref
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +40,41 @@ _ONEDNN_MIN_MACS = 1 << 20  # rows * out * in at which oneDNN starts to win
 _ONEDNN_MIN_WEIGHT = 1 << 16  # out * in
 
 
+# Weights also kept in oneDNN's blocked layout (prepack_linear_weights), keyed by the weight tensor: a
+# product against the packed copy is 10-25 % faster at every row count measured (1 x 1536 x 256: 28 -> 22
+# us; 32 x 8192 x 256: 399 -> 298 us) and bit-identical to the plain-layout oneDNN product above one row.
+# The copy doubles those weights' memory, so only models up to _PREPACK_MAX_BYTES of them are packed.
+# Keyed by id() with a weak reference to check it is still that weight (tensors compare elementwise, so
+# they cannot be weak dictionary keys); an entry goes when its weight does.
+_PACKED: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+_PREPACK_MAX_BYTES = 1 << 30
+_PREPACK_ROWS_HINT = 32
+
+
+def prepack_linear_weights(weights: list[torch.Tensor]) -> int:
+    """Pack the float32 CPU ``weights`` that :func:`linear` sends to oneDNN; returns the bytes packed (0
+    when oneDNN is missing, the weights are on another device or dtype, or they are too big to copy)."""
+    eligible = [w for w in weights if w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+                and w.shape[0] * w.shape[1] >= _ONEDNN_MIN_WEIGHT and _packed(w) is None]
+    total = sum(w.numel() * w.element_size() for w in eligible)
+    if _ONEDNN_LINEAR is None or not eligible or total > _PREPACK_MAX_BYTES:
+        return 0
+    for w in eligible:
+        _PACKED[id(w)] = (weakref.ref(w), torch.ops.mkldnn._reorder_linear_weight(w, _PREPACK_ROWS_HINT))
+        weakref.finalize(w, _PACKED.pop, id(w), None)
+    return total
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor | None:
+    entry = _PACKED.get(id(weight))
+    return entry[1] if entry is not None and entry[0]() is weight else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a 2-D ``x``, through oneDNN where that is faster (float32 on CPU, big enough)."""
+    if _PACKED and (packed := _packed(weight)) is not None and x.dtype == torch.float32:
+        packed_out: torch.Tensor = _ONEDNN_LINEAR(x, packed, bias, "none", [], "")  # type: ignore[misc]
+        return packed_out
     weight_numel = weight.shape[0] * weight.shape[1]
     if (
         _ONEDNN_LINEAR is not None
@@ -210,6 +245,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = MLP(config, dtype, device)
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        attn, mlp = self.self_attn, self.mlp
+        return [attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight]
+
     def forward(
         self,
         x: torch.Tensor,
@@ -309,6 +348,13 @@ class CausalLM(nn.Module):
         if x is None:
             return kn.rms_norm(residual, self.norm.weight, self.norm.eps)
         return kn.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every weight :func:`linear` multiplies by (the LM head too; the embedding is looked up, not)."""
+        out: list[torch.Tensor] = [self.lm_head]
+        for layer in self.layers:
+            out += cast(DecoderLayer, layer).linear_weights()
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` → logits ``[N, vocab_size]`` in float32."""
