@@ -2,14 +2,15 @@
 
 Reports TTFT p50/p99, inter-token latency p50/p99 (the gap between content events as the client receives
 them), tokens per event, output tok/s, and the ratio of served throughput to the offline engine's
-throughput on the same prompts in the same run (target >= 0.8: the HTTP/SSE layer must not be the
-bottleneck). The server runs with its defaults (`--stream-interval-ms 20`: a stream's tokens go out at
-most every 20 ms, merged); `--server-args '--stream-interval-ms 0'` measures one event per token. The
-model is issue #3's tiny Qwen3 shape (hidden 256, 4 layers, 8/4 heads, vocab 8192) with random weights,
-written into a temporary directory.
+throughput on the same prompts in the same run: medians of ``--repeats`` timed runs of each side, every
+run listed (target >= 0.8: the HTTP/SSE layer must not be the bottleneck). The server runs with its
+defaults (`--stream-interval-ms 20`: a stream's tokens go out at most every 20 ms, merged);
+`--server-args '--stream-interval-ms 0'` measures one event per token. The model is issue #3's tiny
+Qwen3 shape (hidden 256, 4 layers, 8/4 heads, vocab 8192) with random weights, written into a
+temporary directory.
 
-    .venv/bin/python bench/engine_serving.py [--concurrency 1,8,32] [--num-prompts 64] [--quick]
-        [--server-args '...']
+    .venv/bin/python bench/engine_serving.py [--concurrency 1,8,32] [--num-prompts 64] [--repeats 3]
+        [--quick] [--server-args '...']
 """
 
 from __future__ import annotations
@@ -141,12 +142,21 @@ def start_server(model: Path, concurrency: int, data: Path, extra: list[str]) ->
     raise RuntimeError("ninfer-serve did not start")
 
 
-def offline(model: Path, prompts: list[str], concurrency: int, max_tokens: int) -> float:
+def offline(model: Path, prompts: list[str], concurrency: int, max_tokens: int, repeats: int) -> list[float]:
     llm = LLM(model, kv_capacity_tokens=65536, max_concurrency=concurrency, max_pending_requests=256)
     llm.generate(prompts[:concurrency], greedy(WARMUP_TOKENS, ignore_eos=True))  # the same warm-up as served
-    start = time.perf_counter()
-    outs = llm.generate(prompts, greedy(max_tokens, ignore_eos=True))
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, greedy(max_tokens, ignore_eos=True))
+        rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+    return rates
+
+
+def merged(runs: list[Run]) -> Run:
+    """Several timed runs of one level as one row: median throughput, every latency sample."""
+    return Run(runs[0].concurrency, statistics.median(r.tok_s for r in runs), [t for r in runs for t in r.ttft_ms],
+               [t for r in runs for t in r.itl_ms], statistics.median(r.tokens_per_event for r in runs))
 
 
 def main() -> None:
@@ -156,6 +166,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per level and side; the table shows medians (the machine is noisy)")
     parser.add_argument("--server-args", default="", help="more ninfer-serve flags, e.g. '--stream-interval-ms 0'")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -168,26 +180,28 @@ def main() -> None:
             prompts = make_prompts(model, count, seed=c)
             proc, url = start_server(model, c, Path(tmp) / "data", shlex.split(args.server_args))
             try:
-                with tqdm(total=count + c, desc=f"served c={c}", unit="req") as bar:
+                with tqdm(total=count * args.repeats + c, desc=f"served c={c}", unit="req") as bar:
                     asyncio.run(drive(url, prompts[:c], c, WARMUP_TOKENS, bar))  # warm-up
-                    served = asyncio.run(drive(url, prompts, c, max_tokens, bar))
+                    served_runs = [asyncio.run(drive(url, prompts, c, max_tokens, bar)) for _ in range(args.repeats)]
             finally:
                 proc.terminate()
                 proc.wait(30)
             # A fresh process, as the server is: neither side inherits warm caches (oneDNN primitives for
             # the batch shapes, allocator pools) from an earlier level.
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                offline_tok_s = pool.submit(offline, model, prompts, c, max_tokens).result()
-            rows.append((served, offline_tok_s))
+                offline_rates = pool.submit(offline, model, prompts, c, max_tokens, args.repeats).result()
+            rows.append((merged(served_runs), statistics.median(offline_rates),
+                         [r.tok_s for r in served_runs], offline_rates))
     header = ("| concurrency | served tok/s | offline tok/s | served/offline | TTFT p50 ms | TTFT p99 ms "
-              "| ITL p50 ms | ITL p99 ms | tokens/event |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
-    for served, off in rows:
+              "| ITL p50 ms | ITL p99 ms | tokens/event | runs: served / offline tok/s |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
+    for served, off, served_rates, off_rates in rows:
         lines.append(
             f"| {served.concurrency} | {served.tok_s:.0f} | {off:.0f} | {served.tok_s / off:.2f} "
             f"| {statistics.median(served.ttft_ms):.1f} | {percentile(served.ttft_ms, 99):.1f} "
             f"| {statistics.median(served.itl_ms):.2f} | {percentile(served.itl_ms, 99):.2f} "
-            f"| {served.tokens_per_event:.1f} |"
+            f"| {served.tokens_per_event:.1f} "
+            f"| {' '.join(f'{r:.0f}' for r in served_rates)} / {' '.join(f'{r:.0f}' for r in off_rates)} |"
         )
     print("\n".join(lines))
 

@@ -414,11 +414,12 @@ def _child_main(config: EngineConfig, conn: Connection) -> None:
 
 
 # On the CPU the child's OpenMP threads spin this many iterations waiting for work before they sleep
-# (GNU OpenMP's default is 300,000). Shorter spins leave the gaps between parallel regions to the API
-# process and to clients on the same cores, instead of having them preempt a spinning thread and stall
-# the next region. Measured on 2 cores (docs/benchmarks.md). GOMP_SPINCOUNT or OMP_WAIT_POLICY set by
-# the operator win.
-CPU_SPINCOUNT = "30000"
+# (GNU OpenMP's default is 300,000). A spinning thread that the API process or a client preempts stalls
+# the next parallel region; a thread that sleeps too soon pays a wake-up per region. Measured on 2 cores
+# with the 20 ms stream interval (docs/benchmarks.md, served/offline at c = 1 / 8 / 32): 300,000 gave
+# - / 0.84 / 0.71, 30,000 - / 0.74 / 0.82, 100,000 0.83 / 0.84 / 0.83 and 0.88 / 0.83 / 0.79.
+# GOMP_SPINCOUNT or OMP_WAIT_POLICY set by the operator win.
+CPU_SPINCOUNT = "100000"
 
 
 @contextlib.contextmanager
