@@ -49,6 +49,11 @@ class HTTPError(Exception):
         self.type = type or _ERROR_TYPES.get(status, "server_error")
         self.retry_after_s = retry_after_s
 
+    @classmethod
+    def bad_request(cls, exc: ValueError) -> HTTPError:
+        """The 400 for a validation error that names its ``param`` and ``code`` (openai_api.InvalidRequest)."""
+        return cls(400, str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None))
+
 
 def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -92,13 +92,16 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
         await response.write(event(openai_api.stream_chunk(parsed, rid, created, role=True, text="")))
     try:
         async for chunk in chunks:
-            out = tail if chunk.is_final else []
             logprobs = openai_api.logprobs_body(parsed, chunk.logprobs, text_offset) if chunk.logprobs else None
             if chunk.text or logprobs is not None:  # a token without text yet (part of a character) has logprobs
                 if ttft_ms is None and chunk.text:
                     ttft_ms = (time.monotonic() - started) * 1000.0
-                out.append(event(openai_api.stream_chunk(parsed, rid, created, text=chunk.text, logprobs=logprobs)))
+                content = event(openai_api.stream_chunk(parsed, rid, created, text=chunk.text, logprobs=logprobs))
                 text_offset += sum(len(e.token) for e in chunk.logprobs or ())
+                if chunk.is_final:
+                    tail.append(content)
+                else:
+                    await response.write(content)
             if chunk.is_final:
                 on_final(chunk, ttft_ms)
                 if chunk.error is not None:
@@ -110,8 +113,6 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
                     tail.append(event(final))
                     if parsed.include_usage:
                         tail.append(event(openai_api.usage_chunk(parsed, rid, created, chunk.usage)))
-            elif out:
-                await response.write(out[0])
     except HTTPError as err:
         # The status line is gone already: end the stream with an error event instead.
         on_error(err)

@@ -387,12 +387,14 @@ def _length_groups(lens: list[int], slots: torch.Tensor) -> tuple[DecodeGroup, .
     device = slots.device
     groups = []
     for part in (order[:best_k], order[best_k:]):
-        width = max(lens[i] for i in part)
+        part_lens = [lens[i] for i in part]
+        width = max(part_lens)
         index = torch.tensor(part, dtype=torch.long, device=device)
-        part_lens = torch.tensor([lens[i] for i in part], dtype=torch.long, device=device)
-        padding = torch.arange(width, device=device)[None, :] >= part_lens[:, None]
-        groups.append(DecodeGroup(rows=index, slots=slots.index_select(0, index)[:, :width],
-                                  padding=padding if bool(padding.any()) else None))
+        padding = None
+        if min(part_lens) != width:
+            lens_t = torch.tensor(part_lens, dtype=torch.long, device=device)
+            padding = torch.arange(width, device=device)[None, :] >= lens_t[:, None]
+        groups.append(DecodeGroup(rows=index, slots=slots.index_select(0, index)[:, :width], padding=padding))
     return tuple(groups)
 
 

@@ -198,11 +198,10 @@ class EngineService:
         body = await read_json_object(request)
         try:
             parsed = openai_api.parse_request(body, endpoint)
+            if parsed.unsupported:
+                raise openai_api.unsupported_error(parsed, "ninfer-serve")
         except openai_api.InvalidRequest as exc:
-            raise HTTPError(400, str(exc), param=exc.param, code=exc.code) from None
-        if parsed.unsupported:
-            exc = openai_api.unsupported_error(parsed, "ninfer-serve")
-            raise HTTPError(400, str(exc), param=exc.param, code=exc.code)
+            raise HTTPError.bad_request(exc) from None
         if parsed.model != self.core.model_id:
             raise HTTPError(404, f"model '{parsed.model}' does not exist (this engine serves "
                                  f"'{self.core.model_id}')", code="model_not_found", param="model")

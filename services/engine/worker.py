@@ -230,8 +230,8 @@ def render_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprobs]) -> 
 
     out = []
     for lp in logprobs:
-        raw = tokenizer.token_bytes(lp.token_id)
-        out.append(TokenLogprob(token=raw.decode("utf-8", errors="replace"), logprob=lp.logprob, bytes=list(raw),
+        chosen = top(lp.token_id, lp.logprob)
+        out.append(TokenLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes,
                                 top_logprobs=[top(t, v) for t, v in lp.top]))
     return out
 

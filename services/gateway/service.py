@@ -479,7 +479,7 @@ class GatewayService:
                 return openai_api.ParsedRequest("embeddings", model, False, False, openai_api.empty_generate(model))
             return openai_api.parse_request(body, endpoint)
         except openai_api.InvalidRequest as exc:
-            raise HTTPError(400, str(exc), param=exc.param, code=exc.code) from None
+            raise HTTPError.bad_request(exc) from None
 
     def _resolve(self, model: str) -> pools.ResolvedPool:
         resolved = pools.resolve(model, self.file_config, self.fleet)
@@ -538,8 +538,8 @@ class GatewayService:
                 continue  # our engines do not serve embeddings
             if parsed.unsupported and ref.kind != "http":
                 # Asks for what our engines do not implement (tools, ...): HTTP members get the body as it came.
-                exc = openai_api.unsupported_error(parsed, f"engine {member_id}")
-                last_error = last_error or HTTPError(400, str(exc), param=exc.param, code=exc.code)
+                refusal = openai_api.unsupported_error(parsed, f"engine {member_id}")
+                last_error = last_error or HTTPError.bad_request(refusal)
                 continue
             outcome.member_id = member_id
             outcome.routing_reason = decision.reason if attempt == 0 else f"failover:{decision.reason}"
