@@ -19,7 +19,10 @@ from tests.faults.conftest import engine_proc, gateway_in_process, procs, read_u
 
 HEARTBEAT_S = 0.25
 STALE_AFTER_S = 2 * HEARTBEAT_S
-ENGINE_FLAGS = ("--heartbeat-interval", str(HEARTBEAT_S), "--max-concurrency", "2", "--max-pending-requests", "8")
+# A queue of 12: after the kill the survivor takes its own requests, the victim's unstarted ones and the
+# second wave, 10 or (when one of the victim's two lanes had not streamed yet) 11 requests; with a queue
+# of 8 that was exactly its capacity, and the one-in-many run where it was 11 got a (correct) 429.
+ENGINE_FLAGS = ("--heartbeat-interval", str(HEARTBEAT_S), "--max-concurrency", "2", "--max-pending-requests", "12")
 
 
 def _row(gw, member_id: str) -> dict:  # type: ignore[no-untyped-def]
