@@ -30,6 +30,22 @@ class RoutingWeights:
     stale_after_s: float = 3.0
 
 
+# Timer jitter and transit allowed on top of two missed heartbeats before a member counts as stale.
+STALE_SLACK_S = 0.2
+
+
+def stale_limit_s(hb: SlotHeartbeat | None, stale_after_s: float) -> float:
+    """How old a member's newest heartbeat may be before the member is stale.
+
+    The configured threshold, or sooner when the member advertises its heartbeat interval: two missed
+    heartbeats (plus :data:`STALE_SLACK_S`) mean it stopped, whatever the threshold says.
+    """
+    interval = hb.heartbeat_interval_s if hb is not None else None
+    if interval is None or interval <= 0:
+        return stale_after_s
+    return min(stale_after_s, 2.0 * interval + STALE_SLACK_S)
+
+
 def _counter_rose(hb: SlotHeartbeat, previous: SlotHeartbeat | None) -> bool:
     if previous is None or previous.session_id != hb.session_id:
         return False

@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
     parser.add_argument("--config", default=os.environ.get("LLMGW_CONFIG"),
                         help="pools file (JSON; see docs/architecture.md); reloaded on change (also $LLMGW_CONFIG)")
-    parser.add_argument("--stale-after", type=float, default=3.0, help="seconds before a heartbeat is stale")
+    parser.add_argument("--stale-after", type=float, default=None,
+                        help="seconds before a heartbeat is stale (default: the pools file's "
+                             "metrics.stale_threshold, 3 s; sooner for a member that misses two of its heartbeats)")
     parser.add_argument("--trust-network", action="append", default=[], metavar="CIDR",
                         help="callers from this network may run inference without an API key (repeatable; also "
                              "$LLMGW_TRUST_NETWORKS, comma-separated). Nothing is trusted by default, not even "
@@ -42,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace) -> GatewayConfig:
     if not 0 <= args.port <= 65535:
         raise ConfigError("port", f"must be 0..65535, got {args.port}")
-    if args.stale_after <= 0:
+    if args.stale_after is not None and args.stale_after <= 0:
         raise ConfigError("stale-after", "must be > 0")
     trusted = [*args.trust_network, *(s for s in os.environ.get("LLMGW_TRUST_NETWORKS", "").split(",") if s.strip())]
     parse_networks(trusted)  # a bad CIDR is a ConfigError naming the flag

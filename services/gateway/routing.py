@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proto import SlotHeartbeat
-from services.common.load_score import RoutingWeights, load_score
+from services.common.load_score import RoutingWeights, load_score, stale_limit_s
 from services.gateway.affinity import AffinityHit, AffinityTable, PinTable, PrefixKey, prefix_hashes
 
 __all__ = [
@@ -187,7 +187,7 @@ def _exclusion(m: MemberState, prompt_tokens: int) -> str | None:
 def _is_stale(m: MemberState, now_s: float, weights: RoutingWeights) -> bool:
     if m.heartbeat is None:  # a member without telemetry: nothing to go stale (scored by in-flight)
         return False
-    return m.received_s is None or now_s - m.received_s > weights.stale_after_s
+    return m.received_s is None or now_s - m.received_s > stale_limit_s(m.heartbeat, weights.stale_after_s)
 
 
 def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberState], request: RouteRequest,

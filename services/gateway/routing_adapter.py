@@ -16,6 +16,7 @@ from typing import Any
 
 from proto import SlotHeartbeat
 from services.common import openai_api
+from services.common.load_score import stale_limit_s
 from services.common.pool_config import MetricsConfig, PoolConfig
 from services.common.runtime import atomic_write_text
 from services.gateway import routing
@@ -146,7 +147,7 @@ class Router:
             "waiting": hb.waiting if hb else None, "kv_usage": hb.kv_usage if hb else None,
             "load_score": load, "no_signal": load is None,
             "load_history": list(rec.load_history), "heartbeat_age_s": age,
-            "stale": age is None or age > stale_after_s, "in_flight": rec.in_flight,
+            "stale": age is None or age > stale_limit_s(hb, stale_after_s), "in_flight": rec.in_flight,
             "energy_today_wh": hb.energy_today_wh if hb else None,
             "cache_hit_pct": (100.0 * (hb.prompt_tokens_hit_total or 0) / queried) if hb and queried else None,
             "capacity_weight": ref.capacity_weight, "down": fleet.is_down(ref.member_id, now_s),

@@ -51,7 +51,7 @@ class GatewayConfig:
     port: int = 8080
     config_path: Path | None = None
     data_dir: Path | None = None
-    stale_after_s: float = 3.0
+    stale_after_s: float | None = None  # None: the pools file's metrics.stale_threshold
     # a member's silence before its first byte → next member; None: the pools file's gateway.first_byte_timeout_s
     first_chunk_timeout_s: float | None = None
     chunk_timeout_s: float = 300.0  # silence between chunks once a member accepted the request
@@ -181,6 +181,13 @@ class GatewayService:
         if self.config.first_chunk_timeout_s is not None:
             return self.config.first_chunk_timeout_s
         return self.file_config.limits.first_byte_timeout_s
+
+    @property
+    def stale_after_s(self) -> float:
+        """``--stale-after`` when given, else the pools file's ``metrics.stale_threshold`` (reloads apply)."""
+        if self.config.stale_after_s is not None:
+            return self.config.stale_after_s
+        return self.file_config.metrics.stale_threshold
 
     def _use_file_config(self, parsed: pool_config.GatewayFileConfig) -> None:
         """The one place a new pools file takes effect (reload, Config page, another gateway's save)."""
@@ -418,7 +425,7 @@ class GatewayService:
             if resolved is None or resolved.pool.name != name:
                 continue
             for ref in resolved.members:
-                rows.append(self.router.describe_member(resolved, ref, self.fleet, now, self.config.stale_after_s))
+                rows.append(self.router.describe_member(resolved, ref, self.fleet, now, self.stale_after_s))
         return rows
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -465,7 +472,7 @@ class GatewayService:
         return web.json_response(decision.explain())
 
     def _weights(self) -> routing.RoutingWeights:
-        return routing_adapter.weights_for(self.file_config.metrics, self.config.stale_after_s)
+        return routing_adapter.weights_for(self.file_config.metrics, self.stale_after_s)
 
     @staticmethod
     def _parse(body: dict[str, Any], endpoint: str) -> openai_api.ParsedRequest:
@@ -628,7 +635,7 @@ class GatewayService:
             hb = rec.heartbeat
             if hb is None or rec.received_s is None:
                 return True  # no telemetry to judge by: the chunk timeout decides
-            return hb.session_id == session and time.time() - rec.received_s <= self.config.stale_after_s
+            return hb.session_id == session and time.time() - rec.received_s <= self.stale_after_s
         return is_alive
 
     async def _via_http(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,

@@ -38,3 +38,22 @@ async def test_a_changed_pools_file_is_reloaded_and_a_broken_one_is_refused(nc, 
         await wait_for(lambda: "kept the previous config" in caplog.text, timeout_s=5)
         assert "model_pools.third.members" in caplog.text  # the log names the key
         assert names() == ["second"]  # the old config stays in force
+
+
+async def test_the_stale_threshold_comes_from_the_pools_file_unless_the_flag_names_one(nc, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "pools.json"
+    path.write_text(json.dumps({"metrics": {"stale_threshold": 7.5}, "model_pools": {"p": {"members": [
+        {"model_id": "p", "backend": "http://127.0.0.1:9"}]}}}))
+    os.utime(path, (1_000_000, 1_000_000))
+    gateway = GatewayService(nc, GatewayConfig(gateway_id="gw", port=0, data_dir=tmp_path, config_path=path,
+                                               config_poll_s=0.05), pool_config.load(path))
+    async with gateway.running():
+        assert gateway.stale_after_s == 7.5
+        assert gateway._weights().stale_after_s == 7.5
+        path.write_text(json.dumps({"metrics": {"stale_threshold": 1.5}, "model_pools": {"p": {"members": [
+            {"model_id": "p", "backend": "http://127.0.0.1:9"}]}}}))
+        os.utime(path, (1_000_100, 1_000_100))
+        await wait_for(lambda: gateway.stale_after_s == 1.5, timeout_s=5)  # a reload applies it
+    flagged = GatewayService(nc, GatewayConfig(gateway_id="gw2", port=0, data_dir=tmp_path / "b",
+                                               stale_after_s=2.0), pool_config.load(path))
+    assert flagged.stale_after_s == 2.0  # --stale-after wins over the file

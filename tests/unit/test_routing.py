@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto import SlotHeartbeat
+from services.common.load_score import stale_limit_s
 from services.gateway.routing import (
     AffinityTable,
     MemberState,
@@ -135,6 +137,18 @@ def test_a_stale_member_is_excluded_while_a_fresh_one_exists() -> None:
     p = choose([stale, fresh])
     assert p.member_id == "b" and p.ranked == ("b",)
     assert sheet(p, "a").excluded == "stale" and sheet(p, "a").is_stale
+
+
+def test_a_member_that_missed_two_of_its_own_heartbeats_is_stale_before_the_threshold() -> None:
+    beat = msgspec.structs.replace(hb("a"), heartbeat_interval_s=0.5)  # stale after 2 x 0.5 + 0.2 = 1.2 s
+    assert stale_limit_s(beat, 3.0) == pytest.approx(1.2)
+    assert stale_limit_s(hb("a"), 3.0) == 3.0  # no advertised interval: the threshold
+    assert stale_limit_s(msgspec.structs.replace(beat, heartbeat_interval_s=5.0), 3.0) == 3.0  # never later
+    fresh = member(hb("b", running=7))
+    late = choose([member(beat, received_s=NOW - 1.3), fresh])
+    assert late.member_id == "b" and sheet(late, "a").excluded == "stale"
+    on_time = choose([member(beat, received_s=NOW - 1.1), fresh])
+    assert on_time.member_id == "a" and sheet(on_time, "a").excluded is None
 
 
 def test_when_every_heartbeat_is_stale_members_are_scored_by_in_flight_only() -> None:
