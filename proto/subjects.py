@@ -9,6 +9,7 @@ PREFIX = "llm.v1"
 STREAM_USAGE = "USAGE"
 STREAM_ENERGY = "ENERGY"
 KV_WORKERS = "llm_workers"
+KV_IDENTITY = "llm_identity"  # users and API keys shared by the gateways (services/gateway/identity_sync.py)
 
 USAGE_SUBJECTS = f"{PREFIX}.usage.>"
 ENERGY_SUBJECTS = f"{PREFIX}.energy.>"
@@ -17,6 +18,7 @@ ACCOUNTING_SQL = f"{PREFIX}.accounting.sql"
 ACCOUNTING_COSTS = f"{PREFIX}.accounting.costs"  # request/reply: the costs JSON for the admin pages
 # request/reply to the gateways: {"key_sha256": hex} -> {"ok": bool, "role": "admin"|"user", "key_id", "user"}
 AUTH_CHECK = f"{PREFIX}.auth.check"
+QUOTA_ALL = f"{PREFIX}.quota.*"  # each gateway's per-key token counts today (services/gateway/auth.py)
 CONFIG_CHANGED = f"{PREFIX}.config.changed"  # a gateway saved the pools file; replicas reload it
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -47,3 +49,7 @@ def energy(worker_id: str) -> str:
 
 def usage(gateway_id: str) -> str:
     return f"{PREFIX}.usage.{gateway_id}"
+
+
+def quota(gateway_id: str) -> str:
+    return f"{PREFIX}.quota.{gateway_id}"

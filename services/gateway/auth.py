@@ -18,6 +18,7 @@ import ipaddress
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -75,8 +76,9 @@ class Auth:
     """The gateway's identity rules over an :class:`IdentityStore` (see the module doc)."""
 
     def __init__(self, store: IdentityStore, trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (),
-                 max_concurrent_per_key: int = 64) -> None:
+                 max_concurrent_per_key: int = 64, gateway_id: str = "") -> None:
         self.store = store
+        self.gateway_id = gateway_id
         self.trusted = trusted
         self.max_concurrent_per_key = max_concurrent_per_key
         self.throttle = LoginThrottle()
@@ -85,6 +87,8 @@ class Auth:
         self._used: dict[str, int] = {}
         self._dirty = False
         self._open: collections.Counter[str] = collections.Counter()
+        self._elsewhere: dict[str, dict[str, int]] = {}  # other gateway → its tokens per key today
+        self._elsewhere_total: collections.Counter[str] = collections.Counter()
 
     # ---- inference --------------------------------------------------------------------------------
 
@@ -125,7 +129,7 @@ class Auth:
     def admit_key(self, key: ApiKey, now_s: float) -> ApiKey:
         """Quota and open-request checks for a valid key; counts the request as open."""
         self._roll_day(now_s)
-        if key.daily_quota is not None and self._used.get(key.key_id, 0) >= key.daily_quota:
+        if key.daily_quota is not None and self.used_today(key.key_id, now_s) >= key.daily_quota:
             raise HTTPError(429, f"daily token quota of {key.daily_quota} spent for key {key.key_id}; it renews at "
                                  "00:00 UTC", code="quota_exceeded", retry_after_s=seconds_to_utc_midnight(now_s))
         if self._open[key.key_id] >= self.max_concurrent_per_key:
@@ -147,9 +151,27 @@ class Auth:
             self._used[key.key_id] = self._used.get(key.key_id, 0) + tokens
             self._dirty = True
 
-    def used_today(self, key_id: str, now_s: float) -> int:
+    def usage_summary(self, now_s: float) -> dict[str, Any]:
+        """What each key used through this gateway today (for the other gateways' quota checks)."""
         self._roll_day(now_s)
-        return self._used.get(key_id, 0)
+        return {"gateway_id": self.gateway_id, "day": self._day, "tokens": dict(self._used)}
+
+    def used_elsewhere(self, gateway_id: str, day: str, tokens: dict[str, int], now_s: float) -> None:
+        """Another gateway's summary: its tokens count against each key's quota here too."""
+        self._roll_day(now_s)
+        if day == self._day:
+            self._elsewhere[gateway_id] = tokens
+        else:
+            self._elsewhere.pop(gateway_id, None)
+        total: collections.Counter[str] = collections.Counter()
+        for counts in self._elsewhere.values():
+            total.update(counts)
+        self._elsewhere_total = total
+
+    def used_today(self, key_id: str, now_s: float) -> int:
+        """Tokens the key used today, through this gateway and (as they last said) the others."""
+        self._roll_day(now_s)
+        return self._used.get(key_id, 0) + self._elsewhere_total.get(key_id, 0)
 
     def _roll_day(self, now_s: float) -> None:
         day_index = int(now_s // 86400)  # UTC days are 86,400 epoch seconds each: no calendar work per request
@@ -161,6 +183,7 @@ class Auth:
             if self._dirty:
                 self.store.save_usage(self._day, self._used)
             self._day, self._used, self._dirty = day, self.store.load_usage(day), False
+            self._elsewhere, self._elsewhere_total = {}, collections.Counter()
 
     def save_usage(self) -> None:
         if self._dirty:

@@ -4,7 +4,7 @@ Why these choices:
 
 - **Passwords** are hashed with scrypt (memory-hard: N=2^14, r=8, p=1, 16 MiB per guess) and a per-user
   salt; verifying one costs ~50 ms, so callers run it off the event loop.
-- **API keys** are 160 random bits (``sk-`` + 40 base62-ish characters). A key that random cannot be
+- **API keys** are 240 random bits (``sk-`` + 40 URL-safe base64 characters). A key that random cannot be
   guessed, so a fast hash is enough (as for GitHub tokens): we store ``sha256(key)`` and look a request's
   key up by that digest in memory, O(1) per request, with no KDF on the hot path. The key itself is shown
   once and never stored or logged; usage is attributed to its public ``key_id``.
@@ -12,6 +12,10 @@ Why these choices:
   secret kept in ``identity/secret``, mode 0600) and the database keeps only ``sha256(token)``, so a
   leaked database cannot be replayed as cookies, and deleting the row revokes the session.
 - SQLite gives atomic, crash-safe writes: a kill -9 mid-change leaves the old or the new state.
+- **Replicas**: every change to a user or a key is handed to ``on_change`` (the gateway puts it in a
+  bus bucket, :mod:`services.gateway.identity_sync`), and :meth:`IdentityStore.apply_replica` takes the
+  other gateways' changes: the newer ``updated_s`` wins. Sessions and the cookie secret stay with the
+  gateway that signed the user in.
 
 Everything here is synchronous and small; the gateway calls it from the event loop except password
 hashing (see :func:`hash_password`).
@@ -27,6 +31,7 @@ import os
 import secrets
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -44,7 +49,8 @@ CREATE TABLE IF NOT EXISTS users (
     name       TEXT NOT NULL UNIQUE,
     role       TEXT NOT NULL CHECK (role IN ('admin', 'user')),
     pw_hash    TEXT NOT NULL,
-    created_s  REAL NOT NULL
+    created_s  REAL NOT NULL,
+    updated_s  REAL NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS sessions (
     token_sha256 TEXT PRIMARY KEY,
@@ -63,7 +69,8 @@ CREATE TABLE IF NOT EXISTS api_keys (
     created_s    REAL NOT NULL,
     expires_s    REAL,
     revoked_s    REAL,
-    replaced_by  TEXT
+    replaced_by  TEXT,
+    updated_s    REAL NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS key_usage (
     key_id  TEXT NOT NULL,
@@ -72,6 +79,14 @@ CREATE TABLE IF NOT EXISTS key_usage (
     PRIMARY KEY (key_id, day)
 );
 """
+
+
+# The replicated tables: primary key first, then every column a replica row carries.
+REPLICATED: dict[str, tuple[str, ...]] = {
+    "users": ("user_id", "name", "role", "pw_hash", "created_s", "updated_s"),
+    "api_keys": ("key_id", "user_id", "name", "key_sha256", "hint", "daily_quota", "created_s", "expires_s",
+                 "revoked_s", "replaced_by", "updated_s"),
+}
 
 
 class IdentityError(ValueError):
@@ -177,6 +192,11 @@ class IdentityStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA)
+        for table in REPLICATED:  # identity.db files from before replication lack updated_s
+            if "updated_s" not in {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN updated_s REAL NOT NULL DEFAULT 0")
+        self.on_change: Callable[[str, dict[str, object]], None] | None = None  # (table, row) after a change
+        self._updated_s = 0.0
         self._secret = _load_secret(directory / "secret")
         self._keys: dict[str, ApiKey] = {}  # by key_sha256
         self._users: dict[str, User] = {}
@@ -196,11 +216,13 @@ class IdentityStore:
             raise IdentityError("role", f"must be one of {', '.join(ROLES)}")
         user = User(f"u_{secrets.token_hex(6)}", name, role)
         try:
-            self.db.execute("INSERT INTO users VALUES (?, ?, ?, ?, ?)",
-                            (user.user_id, name, role, password_hash, time.time()))
+            self.db.execute("INSERT INTO users (user_id, name, role, pw_hash, created_s, updated_s) "
+                            "VALUES (?, ?, ?, ?, ?, ?)",
+                            (user.user_id, name, role, password_hash, time.time(), self._stamp()))
         except sqlite3.IntegrityError:
             raise IdentityError("name", f"a user named {name!r} exists already") from None
         self._users[user.user_id] = user
+        self._changed("users", user.user_id)
         return user
 
     def bootstrap_admin(self, now_s: float) -> tuple[str, str]:
@@ -214,7 +236,9 @@ class IdentityStore:
         return password, key
 
     def set_password(self, user_id: str, password_hash: str) -> None:
-        self.db.execute("UPDATE users SET pw_hash = ? WHERE user_id = ?", (password_hash, user_id))
+        self.db.execute("UPDATE users SET pw_hash = ?, updated_s = ? WHERE user_id = ?",
+                        (password_hash, self._stamp(), user_id))
+        self._changed("users", user_id)
 
     def password_hash(self, name: str) -> tuple[User, str] | None:
         row = self.db.execute("SELECT user_id, name, role, pw_hash FROM users WHERE name = ?", (name,)).fetchone()
@@ -291,10 +315,12 @@ class IdentityStore:
         key = new_api_key()
         record = ApiKey(f"key_{secrets.token_hex(8)}", user_id, name, key_digest(key), f"{KEY_PREFIX}…{key[-4:]}",
                         daily_quota, now_s, None, None, None)
-        self.db.execute("INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        self.db.execute("INSERT INTO api_keys (key_id, user_id, name, key_sha256, hint, daily_quota, created_s, "
+                        "updated_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                         (record.key_id, user_id, record.name, record.key_sha256, record.hint, daily_quota, now_s,
-                         None, None, None))
+                         self._stamp()))
         self._keys[record.key_sha256] = record
+        self._changed("api_keys", record.key_id)
         return key, record
 
     def keys_of(self, user_id: str | None) -> list[ApiKey]:
@@ -306,8 +332,10 @@ class IdentityStore:
         return next((k for k in self._keys.values() if k.key_id == key_id), None)
 
     def revoke_key(self, key_id: str, now_s: float) -> None:
-        self.db.execute("UPDATE api_keys SET revoked_s = ? WHERE key_id = ? AND revoked_s IS NULL", (now_s, key_id))
+        self.db.execute("UPDATE api_keys SET revoked_s = ?, updated_s = ? WHERE key_id = ? AND revoked_s IS NULL",
+                        (now_s, self._stamp(), key_id))
         self.reload_keys()
+        self._changed("api_keys", key_id)
 
     def rotate_key(self, key_id: str, grace_s: float, now_s: float) -> tuple[str, ApiKey]:
         """A new key with the same name and quota; the old one keeps working for ``grace_s``."""
@@ -317,20 +345,74 @@ class IdentityStore:
         if not 0 <= grace_s <= 30 * 86400:
             raise IdentityError("grace_hours", "must lie between 0 and 720 hours")
         key, new = self.create_key(old.user_id, old.name, old.daily_quota, now_s)
-        self.db.execute("UPDATE api_keys SET expires_s = ?, replaced_by = ? WHERE key_id = ?",
-                        (now_s + grace_s, new.key_id, key_id))
+        self.db.execute("UPDATE api_keys SET expires_s = ?, replaced_by = ?, updated_s = ? WHERE key_id = ?",
+                        (now_s + grace_s, new.key_id, self._stamp(), key_id))
         self.reload_keys()
+        self._changed("api_keys", key_id)
         return key, new
 
     def set_quota(self, key_id: str, daily_quota: int | None) -> None:
         if daily_quota is not None and daily_quota < 1:
             raise IdentityError("daily_quota", "must be a positive number of tokens, or empty for no quota")
-        self.db.execute("UPDATE api_keys SET daily_quota = ? WHERE key_id = ?", (daily_quota, key_id))
+        self.db.execute("UPDATE api_keys SET daily_quota = ?, updated_s = ? WHERE key_id = ?",
+                        (daily_quota, self._stamp(), key_id))
         self.reload_keys()
+        self._changed("api_keys", key_id)
 
     def lookup_key(self, digest: str, now_s: float) -> ApiKey | None:
         key = self._keys.get(digest)
         return key if key is not None and key.is_valid(now_s) else None
+
+    # ---- replication (see the module doc) -----------------------------------------------------------
+
+    def _stamp(self) -> float:
+        """A change's time: wall clock, strictly increasing here so two quick changes keep their order."""
+        self._updated_s = max(time.time(), self._updated_s + 1e-6)
+        return self._updated_s
+
+    def _changed(self, table: str, pk: str) -> None:
+        if self.on_change is not None:
+            row = self.replica_row(table, pk)
+            if row is not None:
+                self.on_change(table, row)
+
+    def replica_row(self, table: str, pk: str) -> dict[str, object] | None:
+        columns = REPLICATED[table]
+        found = self.db.execute(f"SELECT {', '.join(columns)} FROM {table} WHERE {columns[0]} = ?", (pk,)).fetchone()
+        return dict(zip(columns, found, strict=True)) if found else None
+
+    def replica_rows(self) -> list[tuple[str, dict[str, object]]]:
+        """Every replicated row, users first (a key needs its user)."""
+        return [(table, dict(zip(columns, found, strict=True)))
+                for table, columns in REPLICATED.items()
+                for found in self.db.execute(f"SELECT {', '.join(columns)} FROM {table}")]
+
+    def apply_replica(self, table: str, row: dict[str, object]) -> bool:
+        """Take another gateway's version of a row when it is newer than ours. True when it changed ours.
+
+        Raises :class:`ValueError` for a malformed row and :class:`sqlite3.IntegrityError` for one that
+        cannot stand here (its user is not known yet, or a different user holds its name).
+        """
+        columns = REPLICATED.get(table)
+        if columns is None or not isinstance(row, dict) or set(row) != set(columns):
+            raise ValueError(f"not a {table} row: {sorted(row) if isinstance(row, dict) else type(row).__name__}")
+        if not isinstance(row["updated_s"], (int, float)):
+            raise ValueError("updated_s must be a number")
+        if table == "users" and row["role"] not in ROLES:
+            raise ValueError(f"unknown role {row['role']!r}")
+        updates = ", ".join(f"{c} = excluded.{c}" for c in columns[1:])
+        cursor = self.db.execute(
+            f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))}) "
+            f"ON CONFLICT ({columns[0]}) DO UPDATE SET {updates} WHERE excluded.updated_s > {table}.updated_s",
+            [row[c] for c in columns])
+        if cursor.rowcount <= 0:
+            return False
+        self._updated_s = max(self._updated_s, float(row["updated_s"]))  # type: ignore[arg-type]
+        if table == "users":
+            self._users.pop(str(row["user_id"]), None)
+        else:
+            self.reload_keys()
+        return True
 
     # ---- per-key daily token counts (the quota) ----------------------------------------------------
 

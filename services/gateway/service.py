@@ -35,13 +35,27 @@ from services.gateway.auth import Auth, parse_networks, save_usage_periodically
 from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend, MemberUnavailable
 from services.gateway.identity import IdentityStore
+from services.gateway.identity_sync import IdentitySync
 from services.gateway.openapi import document as openapi_document
 from services.gateway.pages import Pages
 from services.gateway.usage_spool import UsageSpool
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("llmgw.access")
+
+# A gateway that does not know a key answers an auth check this much later than one that does.
+NEGATIVE_AUTH_DELAY_S = 0.25
+# How often each gateway tells the others its per-key token counts (a quota may overrun by this much traffic).
+QUOTA_SHARE_S = 2.0
 _json = msgspec.json.Encoder()
+
+
+class KeyUsageSummary(msgspec.Struct):
+    """``llm.v1.quota.<gateway_id>``: the tokens each API key used through one gateway on one UTC day."""
+
+    gateway_id: str
+    day: str
+    tokens: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -106,8 +120,9 @@ class GatewayService:
             file_config = pool_config.load(self.config_path)
         self.file_config = file_config or pool_config.GatewayFileConfig()
         self.identity = IdentityStore(data / "identity")
+        self.identity_sync = IdentitySync(nc, self.identity, config.gateway_id)
         self.auth = Auth(self.identity, parse_networks(config.trusted_networks),
-                         self.file_config.limits.max_concurrent_per_key)
+                         self.file_config.limits.max_concurrent_per_key, config.gateway_id)
         self.bootstrap: tuple[str, str] | None = None  # (admin password, API key) printed at a first start
         self.fleet = Fleet(config.gateway_id)
         self.router = routing_adapter.Router(config.data_dir, time.time())
@@ -127,17 +142,25 @@ class GatewayService:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
+        await self.identity_sync.start()  # the fleet's users and keys first: only then is "no users" true
         if not self.identity.has_users():
-            self._bootstrap_admin()
+            if await self.identity_sync.claim_bootstrap():
+                self._bootstrap_admin()
+            else:
+                log.info("another gateway creates the first admin; its users and keys arrive over the bus "
+                         "(if none do, run: llmgw admin create-user)")
         subs = [await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat),
                 await self.nc.subscribe(subjects.AUTH_CHECK, cb=self._on_auth_check),
-                await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self._on_config_changed)]
+                await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self._on_config_changed),
+                await self.nc.subscribe(subjects.QUOTA_ALL, cb=self._on_key_usage_elsewhere)]
         await self._load_known_workers()
         async with self.http, asyncio.TaskGroup() as tasks:
             background = [tasks.create_task(self._publish_usage(), name="usage-publisher"),
                           tasks.create_task(self._resend_spooled(), name="usage-resend"),
                           tasks.create_task(self._save_routing_tables(), name="routing-tables"),
-                          tasks.create_task(save_usage_periodically(self.auth), name="key-usage")]
+                          tasks.create_task(save_usage_periodically(self.auth), name="key-usage"),
+                          tasks.create_task(self.identity_sync.run(), name="identity-sync"),
+                          tasks.create_task(self._share_key_usage(), name="key-usage-share")]
             self._config_mtime = _mtime(self.config_path)
             background.append(tasks.create_task(self._watch_config(), name="config-watch"))
             try:
@@ -171,8 +194,29 @@ class GatewayService:
         reply: dict[str, Any] = {"ok": False}
         if key is not None and user is not None:
             reply = {"ok": True, "role": user.role, "key_id": key.key_id, "user": user.name}
+        else:  # every gateway answers and the asker takes the first reply: let one that knows the key win
+            await asyncio.sleep(NEGATIVE_AUTH_DELAY_S)
         with contextlib.suppress(Exception):
             await msg.respond(msgspec.json.encode(reply))
+
+    async def _share_key_usage(self) -> None:
+        """Tell the other gateways what each key used here today, so a quota holds across the fleet."""
+        told: dict[str, Any] | None = None
+        while True:
+            await asyncio.sleep(QUOTA_SHARE_S)
+            summary = self.auth.usage_summary(time.time())
+            if summary["tokens"] and summary != told:
+                with contextlib.suppress(Exception):  # the bus is down: the next round tells them
+                    await self.nc.publish(subjects.quota(self.config.gateway_id), msgspec.json.encode(summary))
+                    told = summary
+
+    async def _on_key_usage_elsewhere(self, msg: Msg) -> None:
+        try:
+            summary = msgspec.json.decode(msg.data, type=KeyUsageSummary)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return
+        if summary.gateway_id != self.config.gateway_id:
+            self.auth.used_elsewhere(summary.gateway_id, summary.day, summary.tokens, time.time())
 
     # ---- the pools file ---------------------------------------------------------------------------
 

@@ -1,0 +1,191 @@
+"""Users and API keys shared by every gateway on the bus, so a key made on one works on all of them.
+
+Each gateway keeps its own SQLite copy (:mod:`services.gateway.identity`) and answers from it, so a
+request never waits on the bus. Changes travel through the JetStream bucket ``llm_identity`` (one entry
+per row, ``users.<user_id>`` / ``api_keys.<key_id>``, the newest version kept):
+
+- a change made here is put into the bucket, retried until the bus takes it;
+- a gateway starting up applies the whole bucket before it decides whether it is the first one (only
+  one gateway creates the bootstrap admin, elected by ``kv.create``), then offers its own rows that the
+  bucket lacks or holds older (users made with ``llmgw admin create-user`` while it was stopped);
+- puts from the others arrive on a plain subscription to the bucket's subjects, which the client
+  re-establishes after a reconnect; a full pass every :data:`RESYNC_S` catches what an outage hid.
+
+Per row, the version with the later ``updated_s`` wins. Sessions are not shared: a browser signs in
+to each gateway it talks to (use sticky sessions for the admin pages behind a load balancer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from proto import subjects
+from services.common.runtime import raise_if_cancelling
+from services.gateway.identity import REPLICATED, IdentityStore
+
+log = logging.getLogger(__name__)
+
+RESYNC_S = 60.0
+RETRY_S = 1.0
+BOOTSTRAP_KEY = "bootstrap"
+_KV_PREFIX = f"$KV.{subjects.KV_IDENTITY}."
+
+
+def entry_key(table: str, row: dict[str, Any]) -> str:
+    return f"{table}.{row[REPLICATED[table][0]]}"
+
+
+class IdentitySync:
+    """Keeps an :class:`IdentityStore` in step with the bus bucket (see the module doc)."""
+
+    def __init__(self, nc: Client, store: IdentityStore, gateway_id: str) -> None:
+        self.nc = nc
+        self.store = store
+        self.gateway_id = gateway_id
+        self.kv: KeyValue | None = None
+        self._outbox: dict[str, bytes] = {}  # bucket key → newest version not yet taken by the bus
+        self._wake = asyncio.Event()
+        self._waiting: dict[str, tuple[str, dict[str, Any]]] = {}  # rows whose user has not arrived yet
+        self.applied = 0
+        store.on_change = self._local_change
+
+    # ---- start ------------------------------------------------------------------------------------
+
+    async def start(self) -> bool:
+        """Bind (or create) the bucket and apply what it holds. False: no bucket, this gateway stands alone."""
+        js = self.nc.jetstream()
+        try:
+            try:
+                self.kv = await js.key_value(subjects.KV_IDENTITY)
+            except (BucketNotFoundError, NotFoundError):
+                self.kv = await js.create_key_value(KeyValueConfig(
+                    bucket=subjects.KV_IDENTITY, history=1, storage=StorageType.FILE,
+                    description="users and API keys shared by the gateways"))
+            await self._pull_all()
+        except Exception as exc:
+            raise_if_cancelling()
+            log.warning("users and keys are not shared with other gateways (bus bucket unavailable: %s)", exc)
+            self.kv = None
+            return False
+        return True
+
+    async def claim_bootstrap(self) -> bool:
+        """True for exactly one gateway of a fleet with no users: it creates the first admin."""
+        if self.kv is None:
+            return True
+        try:
+            await self.kv.create(BOOTSTRAP_KEY, self.gateway_id.encode())
+            return True
+        except KeyWrongLastSequenceError:
+            return False
+
+    async def _pull_all(self) -> None:
+        """Apply every row in the bucket, then offer ours that it lacks or holds older."""
+        assert self.kv is not None
+        held: dict[str, float] = {}
+        watcher = await self.kv.watchall()
+        try:
+            while (entry := await watcher.updates(timeout=10.0)) is not None:
+                if entry.key == BOOTSTRAP_KEY or not entry.value:
+                    continue
+                row = self._apply(entry.key, entry.value)
+                if row is not None:
+                    held[entry.key] = float(row.get("updated_s") or 0.0)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+        self._retry_waiting()
+        for table, row in self.store.replica_rows():
+            key = entry_key(table, row)
+            if float(row["updated_s"]) > held.get(key, -1.0):  # type: ignore[arg-type]
+                self._local_change(table, row)
+
+    # ---- running ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Send our changes, take the others' (until cancelled)."""
+        if self.kv is None:
+            return
+        sub = await self.nc.subscribe(_KV_PREFIX + ">", cb=self._on_put)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._send_outbox(), name="identity-send")
+                tasks.create_task(self._resync(), name="identity-resync")
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def _local_change(self, table: str, row: dict[str, Any]) -> None:
+        self._outbox[entry_key(table, row)] = msgspec.json.encode(row)
+        self._wake.set()
+
+    async def _send_outbox(self) -> None:
+        assert self.kv is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._outbox:
+                key, value = next(iter(self._outbox.items()))
+                try:
+                    await self.kv.put(key, value)
+                except Exception as exc:
+                    raise_if_cancelling()
+                    log.warning("a user/key change waits for the bus (%s); retrying", exc)
+                    await asyncio.sleep(RETRY_S)
+                    continue
+                if self._outbox.get(key) is value:  # not changed again meanwhile
+                    del self._outbox[key]
+
+    async def _resync(self) -> None:
+        while True:
+            await asyncio.sleep(RESYNC_S)
+            try:
+                await self._pull_all()
+            except Exception as exc:
+                raise_if_cancelling()
+                log.debug("identity resync skipped: %s", exc)
+
+    async def _on_put(self, msg: Msg) -> None:
+        key = msg.subject.removeprefix(_KV_PREFIX)
+        if key != BOOTSTRAP_KEY and msg.data:
+            if self._apply(key, msg.data) is not None and key.startswith("users."):
+                self._retry_waiting()
+
+    # ---- applying ---------------------------------------------------------------------------------
+
+    def _apply(self, key: str, value: bytes) -> dict[str, Any] | None:
+        """Apply one bucket entry; the decoded row, or None when it was refused."""
+        table = key.partition(".")[0]
+        try:
+            row = msgspec.json.decode(value)
+            if self.store.apply_replica(table, row):
+                self.applied += 1
+        except sqlite3.IntegrityError as exc:
+            if table == "api_keys" and "FOREIGN KEY" in str(exc):
+                self._waiting[key] = (table, row)  # its user comes later in the bucket's order
+                return row
+            log.warning("kept our own version of %s: the shared one conflicts here (%s)", key, exc)
+            return None
+        except (msgspec.DecodeError, ValueError, TypeError, KeyError, RecursionError) as exc:
+            log.warning("ignored a malformed shared identity entry %s: %s", key, exc)
+            return None
+        self._waiting.pop(key, None)
+        return row
+
+    def _retry_waiting(self) -> None:
+        for key, (table, row) in list(self._waiting.items()):
+            with contextlib.suppress(sqlite3.IntegrityError, ValueError):
+                self.store.apply_replica(table, row)
+                self._waiting.pop(key, None)
+                self.applied += 1
