@@ -1,7 +1,8 @@
 """The deployment files, checked by the tools that will read them: a real Compose implementation
 (``docker-compose config``: the Compose spec schema, interpolation, profiles; no Docker engine needed),
 ``nats-server -t``, ``systemd-analyze verify``, ShellCheck, the engine's own argument parser, and
-``scripts/install-engine.sh`` run for real into a temporary root.
+``scripts/install-engine.sh`` run for real into a temporary root; and the comma-separated ``NATS_URL`` the
+guide recommends, against two real nats-servers.
 
 The system tools come from Debian via ``scripts/install-test-tools.sh`` (which ``.ci/run`` calls). Without
 them these tests skip on a developer machine and fail under ``LLMGW_CI=1``.
@@ -10,6 +11,7 @@ them these tests skip on a developer machine and fail under ``LLMGW_CI=1``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import fnmatch
 import json
 import os
@@ -23,9 +25,11 @@ from typing import Any
 
 import pytest
 import yaml
+from nats.aio.msg import Msg
 
 from services.common import pool_config
-from services.common.nats_server import find_binary
+from services.common.bus import connect
+from services.common.nats_server import EmbeddedNatsServer, find_binary
 from services.engine.__main__ import add_arguments as engine_arguments
 from tests.e2e.procs import REPO
 
@@ -270,6 +274,39 @@ def test_a_cluster_node_refuses_to_start_without_its_passwords() -> None:
     out = subprocess.run([find_binary(), "-t", "-c", str(REPO / "deploy" / "nats" / "cluster-1.conf")],
                          capture_output=True, text=True, timeout=30, env=env)
     assert out.returncode != 0 and "NATS_CLIENT_PASSWORD" in out.stderr
+
+
+async def test_a_client_given_two_nats_urls_moves_to_the_other_node_when_its_node_stops(tmp_path: Path) -> None:
+    """docs/deploy.md: ``NATS_URL`` may list several nodes, comma-separated; every service connects through
+    ``services.common.bus.connect``, which hands the whole list to the client. Two real nats-servers; the
+    client picks either (nats.py shuffles the list), so the one it is on is stopped, whichever that is."""
+    async with EmbeddedNatsServer(tmp_path / "node-a") as node_a, EmbeddedNatsServer(tmp_path / "node-b") as node_b:
+        nc = await connect(f"{node_a.url}, {node_b.url}", "two-urls")
+        try:
+            ports = {node_a.url.rsplit(":", 1)[1]: node_a, node_b.url.rsplit(":", 1)[1]: node_b}
+            on = ports[str(nc.connected_url.port)]  # type: ignore[union-attr]
+            other = node_b if on is node_a else node_a
+            got: asyncio.Queue[bytes] = asyncio.Queue()
+
+            async def on_msg(msg: Msg) -> None:
+                await got.put(msg.data)
+
+            await nc.subscribe("llm.v1.test.failover", cb=on_msg)
+            await nc.flush()
+            await on.stop()
+            async with asyncio.timeout(15):
+                while not (nc.is_connected and str(nc.connected_url.port) == other.url.rsplit(":", 1)[1]):  # type: ignore[union-attr]
+                    await asyncio.sleep(0.05)
+                await nc.flush()  # the subscription is back on the surviving node
+                direct = await connect(other.url, "publisher")
+                try:
+                    await direct.publish("llm.v1.test.failover", b"after the failover")
+                    await direct.flush()
+                    assert await got.get() == b"after the failover"
+                finally:
+                    await direct.close()
+        finally:
+            await nc.close()
 
 
 # ---- systemd --------------------------------------------------------------------------------------------
