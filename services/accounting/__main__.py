@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
+import math
 import os
 from pathlib import Path
 
 from services.accounting.intervals import Limits
-from services.accounting.service import AccountingConfig, AccountingService, price_book_of
+from services.accounting.service import AccountingConfig, AccountingService, DatedRate, price_book_of
 from services.accounting.store import PriceBookEntry
 from services.common import pool_config
 from services.common.bus import bus_session, nats_url_from_env
@@ -23,7 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address for POST /sql and GET /costs")
     parser.add_argument("--port", help="HTTP port (default: $LLMGW_ACCOUNTING_PORT, else 0 = any free port)")
     parser.add_argument("--electricity-rate", type=float,
-                        help="$ per kWh (default: the gateway's pools file, else 0.125)")
+                        help="$ per kWh from now on (default: the gateway's pools file, else 0.125)")
+    parser.add_argument("--tariff", action="append", default=[], metavar="YYYY-MM-DD=RATE",
+                        help="a dated rate: $ per kWh in force from that UTC date (or ISO datetime) until the next "
+                             "one; repeatable. Energy already rolled up from then on is priced again")
     parser.add_argument("--price-book", help='JSON file: {"<model or *>": {"prompt_usd_per_m": …, '
                                              '"cached_usd_per_m": …, "output_usd_per_m": …}} '
                                              "(default: the pools file's price_book)")
@@ -49,6 +54,43 @@ def load_price_book(path: str | None) -> dict[str, PriceBookEntry]:
         raise ConfigError("price-book", f"cannot read {path}: {exc}") from None
 
 
+def parse_tariff(text: str) -> DatedRate:
+    """``YYYY-MM-DD=RATE`` or ``<ISO datetime>=RATE``: a date is its UTC midnight, a datetime without an
+    offset is UTC. RATE is $ per kWh, finite and >= 0."""
+    when, sep, rate_text = text.rpartition("=")
+
+    def bad(reason: str) -> ConfigError:
+        return ConfigError("tariff", f"--tariff {text!r}: {reason} (expected YYYY-MM-DD=RATE, e.g. 2026-03-01=0.15)")
+
+    if not sep or not when.strip():
+        raise bad("no date")
+    try:
+        moment = dt.datetime.fromisoformat(when.strip())
+    except ValueError:
+        raise bad(f"{when!r} is not a date or ISO datetime") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=dt.UTC)
+    try:
+        rate = float(rate_text)
+    except ValueError:
+        raise bad(f"{rate_text!r} is not a rate in $ per kWh") from None
+    if not math.isfinite(rate) or rate < 0:
+        raise bad(f"the rate must be a finite number >= 0, not {rate_text!r}")
+    return DatedRate(effective_s=moment.timestamp(), usd_per_kwh=rate)
+
+
+def parse_tariffs(texts: list[str]) -> tuple[DatedRate, ...]:
+    """Every ``--tariff``, oldest first; two different rates for one moment are an error."""
+    rates: dict[float, tuple[DatedRate, str]] = {}
+    for text in texts:
+        rate = parse_tariff(text)
+        earlier = rates.get(rate.effective_s)
+        if earlier is not None and earlier[0] != rate:
+            raise ConfigError("tariff", f"--tariff {earlier[1]!r} and --tariff {text!r} give two rates for one moment")
+        rates[rate.effective_s] = (rate, text)
+    return tuple(sorted((r for r, _ in rates.values()), key=lambda r: r.effective_s))
+
+
 def build_config(args: argparse.Namespace, data: Path) -> AccountingConfig:
     port_text = args.port if args.port is not None else os.environ.get("LLMGW_ACCOUNTING_PORT", "0")
     try:
@@ -60,8 +102,9 @@ def build_config(args: argparse.Namespace, data: Path) -> AccountingConfig:
     pools_path = Path(args.config) if args.config else data / "pools.json"
     pools = pool_config.load(pools_path) if args.config or pools_path.exists() else pool_config.GatewayFileConfig()
     rate = args.electricity_rate if args.electricity_rate is not None else pools.electricity_rate_usd_per_kwh
-    if rate < 0:
-        raise ConfigError("electricity-rate", "must be >= 0")
+    if not math.isfinite(rate) or rate < 0:
+        raise ConfigError("electricity-rate", "must be a finite number >= 0")
+    tariff = parse_tariffs(args.tariff)
     price_book = load_price_book(args.price_book) if args.price_book else price_book_of(pools)
     if args.retention_days <= 0:
         raise ConfigError("retention-days", "must be > 0")
@@ -69,7 +112,7 @@ def build_config(args: argparse.Namespace, data: Path) -> AccountingConfig:
         raise ConfigError("query-timeout", "must be > 0")
     return AccountingConfig(
         db_path=Path(args.db) if args.db else data / "accounting.duckdb",
-        host=args.host, port=port, electricity_rate_usd_per_kwh=rate,
+        host=args.host, port=port, electricity_rate_usd_per_kwh=rate, tariff=tariff,
         price_book=price_book, retention_days=args.retention_days,
         export_dir=Path(args.export_dir) if args.export_dir else data / "exports",
         query_timeout_s=args.query_timeout, limits=Limits(max_gap_s=args.max_gap),

@@ -27,7 +27,12 @@ class UsageTotals:
 @dataclass(frozen=True, kw_only=True)
 class EnergyTotals:
     """Sums over rollup rows. ``measured_j``/``energy_usd``/``busy_j`` are None when nothing was measured;
-    ``busy_output_tokens`` counts only tokens produced inside measured intervals (J per token's divisor)."""
+    ``busy_output_tokens`` counts only tokens produced inside measured intervals (J per token's divisor).
+
+    Coverage has one basis per kind of group: device-seconds (``covered_s`` of ``device_s``) for days,
+    models and members; output tokens (``busy_output_tokens`` of ``attributed_output_tokens``, the tokens
+    produced in any interval, measured or not) for API keys, whose device-time is shared with other keys
+    and split between them by tokens."""
 
     measured_j: float | None = None
     energy_usd: float | None = None
@@ -36,7 +41,16 @@ class EnergyTotals:
     busy_output_tokens: float = 0.0
     covered_s: float = 0.0
     device_s: float = 0.0
+    attributed_output_tokens: float = 0.0
     methods: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def coverage_pct(self) -> float | None:
+        if self.device_s > 0:
+            return 100.0 * self.covered_s / self.device_s
+        if self.attributed_output_tokens > 0:
+            return 100.0 * self.busy_output_tokens / self.attributed_output_tokens
+        return None
 
 
 def summary(usage: UsageTotals | None, energy: EnergyTotals | None) -> dict[str, Any]:
@@ -59,7 +73,7 @@ def summary(usage: UsageTotals | None, energy: EnergyTotals | None) -> dict[str,
         "j_per_output_token": (e.busy_j / e.busy_output_tokens
                                if e.busy_j is not None and e.busy_output_tokens > 0 else None),
         "methods": sorted(e.methods),
-        "coverage_pct": 100.0 * e.covered_s / e.device_s if e.device_s > 0 else None,
+        "coverage_pct": e.coverage_pct,
     }
 
 
@@ -104,6 +118,7 @@ def add_energy(parts: Iterable[EnergyTotals]) -> EnergyTotals | None:
                         busy_j=known_sum([p.busy_j for p in items]),
                         busy_output_tokens=sum(p.busy_output_tokens for p in items),
                         covered_s=sum(p.covered_s for p in items), device_s=sum(p.device_s for p in items),
+                        attributed_output_tokens=sum(p.attributed_output_tokens for p in items),
                         methods=tuple(sorted({m for p in items for m in p.methods})))
 
 
@@ -130,5 +145,6 @@ def build_costs(*, now: dt.datetime, num_days: int, rate_usd_per_kwh: float | No
         "note": ("kwh is measured energy (counter, power integration or engine-reported) and is null when no "
                  "valid reading exists; estimated_kwh is never added into it. coverage_pct is the share of "
                  "device-time backed by valid readings. API keys carry busy energy only; idle energy "
-                 "stays with the member and model."),
+                 "stays with the member and model. For an API key, coverage_pct is the share of its output "
+                 "tokens produced while a valid reading existed."),
     }

@@ -106,10 +106,12 @@ class Interval:
 
 @dataclass(frozen=True, kw_only=True)
 class Share:
-    """Part of one interval's energy. ``request_id`` None is the idle share (belongs to the engine/model)."""
+    """Part of one interval's energy. ``request_id`` None is the idle share (belongs to the engine/model).
+    ``energy_j`` None: the interval's energy is unknown; the share still says whose tokens were made in it
+    (an API key's coverage)."""
 
     request_id: str | None
-    energy_j: float
+    energy_j: float | None
     prompt_tokens: int = 0
     output_tokens: int = 0
 
@@ -160,16 +162,15 @@ def interval_between(prev: Sample, before: Reading, cur: Sample, after: Reading,
 
 
 def attribute(interval: Interval, tokens: Sequence[TokenCount]) -> list[Share]:
-    """Split a known interval energy over ``tokens`` (the end sample's) by output tokens.
+    """Split an interval's energy over ``tokens`` (the end sample's) by output tokens.
 
     When no request produced an output token but some were prefilled, prompt tokens are the weights
     (a prefill-only interval is busy, not idle). With no tokens at all the whole interval is one idle
     share. Shares are non-negative and sum to ``interval.energy_j`` (up to float rounding): attributed +
-    idle = measured. An interval without a known energy has no shares (its device-time lowers coverage).
+    idle = measured. An interval without a known energy gives the same requests shares with ``energy_j``
+    None (their tokens were made without a valid reading), and no idle share.
     """
     energy_j = interval.energy_j
-    if energy_j is None:
-        return []
     per_request: dict[str, list[int]] = {}
     for t in tokens:
         counts = per_request.setdefault(t.request_id, [0, 0])
@@ -178,8 +179,8 @@ def attribute(interval: Interval, tokens: Sequence[TokenCount]) -> list[Share]:
     weight_index = 1 if any(c[1] for c in per_request.values()) else 0
     total = math.fsum(c[weight_index] for c in per_request.values())
     if total <= 0:
-        return [Share(request_id=None, energy_j=energy_j)]
-    return [Share(request_id=rid, energy_j=energy_j * c[weight_index] / total, prompt_tokens=c[0],
-                  output_tokens=c[1])
+        return [] if energy_j is None else [Share(request_id=None, energy_j=energy_j)]
+    return [Share(request_id=rid, energy_j=None if energy_j is None else energy_j * c[weight_index] / total,
+                  prompt_tokens=c[0], output_tokens=c[1])
             for rid, c in per_request.items() if c[weight_index] > 0]
 

@@ -95,7 +95,7 @@ CREATE TABLE IF NOT EXISTS energy_attribution (
     model_id      VARCHAR NOT NULL,
     method        VARCHAR NOT NULL,
     request_id    VARCHAR,            -- NULL: the idle share, which belongs to the engine/model
-    energy_j      DOUBLE NOT NULL,
+    energy_j      DOUBLE,             -- NULL: the interval's energy is unknown (the share still has tokens)
     prompt_tokens BIGINT NOT NULL,
     output_tokens BIGINT NOT NULL
 );
@@ -136,11 +136,13 @@ CREATE TABLE IF NOT EXISTS energy_daily (
 );
 CREATE TABLE IF NOT EXISTS key_energy_hourly (
     hour TIMESTAMPTZ NOT NULL, worker_id VARCHAR NOT NULL, model_id VARCHAR NOT NULL, pool VARCHAR,
-    api_key_id VARCHAR, busy_j DOUBLE, estimated_j DOUBLE, output_tokens DOUBLE NOT NULL, energy_usd DOUBLE
+    api_key_id VARCHAR, busy_j DOUBLE, estimated_j DOUBLE, output_tokens DOUBLE NOT NULL, energy_usd DOUBLE,
+    method VARCHAR, measured_output_tokens DOUBLE
 );
 CREATE TABLE IF NOT EXISTS key_energy_daily (
     day DATE NOT NULL, worker_id VARCHAR NOT NULL, model_id VARCHAR NOT NULL, pool VARCHAR,
-    api_key_id VARCHAR, busy_j DOUBLE, estimated_j DOUBLE, output_tokens DOUBLE NOT NULL, energy_usd DOUBLE
+    api_key_id VARCHAR, busy_j DOUBLE, estimated_j DOUBLE, output_tokens DOUBLE NOT NULL, energy_usd DOUBLE,
+    method VARCHAR, measured_output_tokens DOUBLE
 );
 CREATE TABLE IF NOT EXISTS usage_hourly (
     hour TIMESTAMPTZ NOT NULL, model VARCHAR NOT NULL, pool VARCHAR NOT NULL, worker_id VARCHAR,
@@ -152,6 +154,19 @@ CREATE TABLE IF NOT EXISTS usage_daily (
     api_key_id VARCHAR, status VARCHAR NOT NULL, num_requests BIGINT NOT NULL, prompt_tokens BIGINT NOT NULL,
     cached_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL
 );
+"""
+
+# A ledger written by an older version: the same tables as above, brought up to date in place
+# (each statement is a no-op on a current ledger). Key rows from before ``method`` existed keep it NULL;
+# their tokens were all from measured intervals then.
+MIGRATIONS = """
+ALTER TABLE energy_attribution ALTER COLUMN energy_j DROP NOT NULL;
+ALTER TABLE key_energy_hourly ADD COLUMN IF NOT EXISTS method VARCHAR;
+ALTER TABLE key_energy_hourly ADD COLUMN IF NOT EXISTS measured_output_tokens DOUBLE;
+ALTER TABLE key_energy_daily ADD COLUMN IF NOT EXISTS method VARCHAR;
+ALTER TABLE key_energy_daily ADD COLUMN IF NOT EXISTS measured_output_tokens DOUBLE;
+UPDATE key_energy_hourly SET measured_output_tokens = output_tokens WHERE measured_output_tokens IS NULL;
+UPDATE key_energy_daily SET measured_output_tokens = output_tokens WHERE measured_output_tokens IS NULL;
 """
 
 # Query-time views for operators: kWh and $ next to their coverage. List-price value uses the current
@@ -185,7 +200,9 @@ GROUP BY ALL;
 
 CREATE OR REPLACE VIEW daily_key_energy AS
 SELECT day, pool, api_key_id, model_id, sum(busy_j) / 3.6e6 AS busy_kwh, sum(energy_usd) AS energy_usd,
-       sum(busy_j) / nullif(sum(output_tokens), 0) AS j_per_output_token
+       sum(busy_j) / nullif(sum(measured_output_tokens), 0) AS j_per_output_token,
+       100.0 * sum(measured_output_tokens) / nullif(sum(output_tokens), 0) AS coverage_pct,
+       list(DISTINCT method ORDER BY method) FILTER (method IS NOT NULL) AS methods
 FROM key_energy_daily GROUP BY ALL;
 
 CREATE OR REPLACE VIEW rolling_30d AS
@@ -244,18 +261,24 @@ SELECT hour, worker_id, model_id, method, measured_j, estimated_j, busy_j, idle_
 FROM rated
 """
 
+# Per key: shares of unknown energy (energy_j NULL) count their tokens in output_tokens only, so
+# measured_output_tokens / output_tokens is the key's coverage.
 REFRESH_KEY_ENERGY_HOURLY = _PIECES.format(table="energy_attribution") + """
 , agg AS (
-    SELECT p.hour, p.worker_id, p.model_id, r.pool, r.api_key_id,
+    SELECT p.hour, p.worker_id, p.model_id, r.pool, r.api_key_id, p.method,
            sum(p.energy_j * p.frac) FILTER (p.method <> 'estimated') AS busy_j,
            sum(p.energy_j * p.frac) FILTER (p.method = 'estimated') AS estimated_j,
-           sum(p.output_tokens * p.frac) AS output_tokens
+           sum(p.output_tokens * p.frac) AS output_tokens,
+           coalesce(sum(p.output_tokens * p.frac) FILTER (p.method <> 'estimated' AND p.energy_j IS NOT NULL), 0)
+               AS measured_output_tokens
     FROM pieces p LEFT JOIN requests r USING (request_id)
     WHERE p.request_id IS NOT NULL
     GROUP BY ALL
 )""" + _RATED + """
-INSERT INTO key_energy_hourly
-SELECT hour, worker_id, model_id, pool, api_key_id, busy_j, estimated_j, output_tokens, busy_j / 3.6e6 * usd_per_kwh
+INSERT INTO key_energy_hourly (hour, worker_id, model_id, pool, api_key_id, busy_j, estimated_j, output_tokens,
+                               energy_usd, method, measured_output_tokens)
+SELECT hour, worker_id, model_id, pool, api_key_id, busy_j, estimated_j, output_tokens, busy_j / 3.6e6 * usd_per_kwh,
+       method, measured_output_tokens
 FROM rated
 """
 
@@ -276,9 +299,10 @@ REFRESH_DAILY = {
                sum(num_intervals), sum(num_reset), sum(num_wrap), sum(num_gap), sum(num_implausible)
         FROM energy_hourly WHERE hour::DATE IN (SELECT day FROM dirty_days) GROUP BY ALL""",
     "key_energy_daily": """
-        INSERT INTO key_energy_daily
+        INSERT INTO key_energy_daily (day, worker_id, model_id, pool, api_key_id, busy_j, estimated_j, output_tokens,
+                                      energy_usd, method, measured_output_tokens)
         SELECT hour::DATE AS day, worker_id, model_id, pool, api_key_id, sum(busy_j), sum(estimated_j),
-               sum(output_tokens), sum(energy_usd)
+               sum(output_tokens), sum(energy_usd), method, sum(measured_output_tokens)
         FROM key_energy_hourly WHERE hour::DATE IN (SELECT day FROM dirty_days) GROUP BY ALL""",
     "usage_daily": """
         INSERT INTO usage_daily
@@ -286,6 +310,17 @@ REFRESH_DAILY = {
                sum(prompt_tokens), sum(cached_tokens), sum(output_tokens)
         FROM usage_hourly WHERE hour::DATE IN (SELECT day FROM dirty_days) GROUP BY ALL""",
 }
+
+# Hours older than the raw-data retention (``dirty_old``): their raw rows may be gone, but the hourly
+# rollups keep the joules, so a rate entered later (a dated tariff) prices them again in place.
+_RATE_OF_OLD_HOURS = ("(SELECT d.hour, t.usd_per_kwh FROM dirty_old d "
+                      "ASOF LEFT JOIN tariff t ON d.hour >= t.effective_from)")
+REPRICE_HOURLY = (
+    f"UPDATE energy_hourly SET energy_usd = measured_j / 3.6e6 * r.usd_per_kwh FROM {_RATE_OF_OLD_HOURS} r "
+    "WHERE energy_hourly.hour = r.hour",
+    f"UPDATE key_energy_hourly SET energy_usd = busy_j / 3.6e6 * r.usd_per_kwh FROM {_RATE_OF_OLD_HOURS} r "
+    "WHERE key_energy_hourly.hour = r.hour",
+)
 
 ROLLUP_TABLES = ("energy_hourly", "energy_daily", "key_energy_hourly", "key_energy_daily", "usage_hourly",
                  "usage_daily")

@@ -3,20 +3,21 @@ costs responders on the bus, and the admin HTTP server (``POST /sql``, ``GET /co
 
 Exactly once: messages are fetched in batches from durable pull consumers, written in one DuckDB
 transaction, and acknowledged only after the commit. A crash before the ack means redelivery, which
-the ledger's message identities (request id; worker/session/seq) turn into a no-op. A message that does
-not decode is stored in ``parked`` with the reason and terminated, never retried forever.
+the ledger's message identities (request id; worker/session/seq) turn into a no-op.
+
+Poison: a message that does not decode, fails :mod:`validation`, or that the ledger still refuses is
+stored in ``parked`` with the reason and terminated, never retried forever. A refused batch is written
+again one message at a time, so one bad message never holds back the good ones beside it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
-import decimal
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,16 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from proto import EnergySample, ProtoDecodeError, UsageRecord, decode, subjects
 from services.accounting.intervals import Limits
 from services.accounting.puller import BatchPuller
-from services.accounting.store import LedgerThread, PriceBookEntry, QueryFailed, QueryRejected
+from services.accounting.store import (
+    LEDGER_ERRORS,
+    REFUSED_VALUE_ERRORS,
+    LedgerThread,
+    PriceBookEntry,
+    QueryFailed,
+    QueryRejected,
+    jsonable,
+)
+from services.accounting.validation import energy_problem, usage_problem
 from services.common import pool_config
 from services.common.http import HTTPError, error_body, error_middleware, read_json_object, serving
 from services.common.runtime import ConfigError, raise_if_cancelling
@@ -49,6 +59,14 @@ def price_book_of(pools: pool_config.GatewayFileConfig) -> dict[str, PriceBookEn
 
 
 @dataclass(frozen=True)
+class DatedRate:
+    """``--tariff``: ``usd_per_kwh`` in force from ``effective_s`` (epoch s, UTC) until the next rate."""
+
+    effective_s: float
+    usd_per_kwh: float
+
+
+@dataclass(frozen=True)
 class AccountingConfig:
     """``port`` None: no HTTP server (the bus responders still run); 0 picks a free port."""
 
@@ -60,6 +78,7 @@ class AccountingConfig:
     host: str = "127.0.0.1"
     port: int | None = None
     electricity_rate_usd_per_kwh: float = 0.125
+    tariff: tuple[DatedRate, ...] = ()
     price_book: dict[str, PriceBookEntry] = field(default_factory=dict)
     retention_days: float = 30.0
     maintenance_interval_s: float = 3600.0
@@ -82,20 +101,6 @@ class AccountingStats:
     rollup_refreshes: int = 0
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dt.datetime | dt.date):
-        return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        return float(value)
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return value
-
-
 class AccountingService:
     def __init__(self, nc: Client, config: AccountingConfig) -> None:
         self.nc = nc
@@ -105,6 +110,8 @@ class AccountingService:
         now_s = time.time()
         self.ledger.submit(lambda ledger: ledger.set_tariff(config.electricity_rate_usd_per_kwh, now_s,
                                                             "--electricity-rate")).result()
+        for rate in config.tariff:  # after the configured rate: on a new ledger that one covers the time before
+            self.ledger.submit(lambda ledger, r=rate: ledger.add_dated_rate(r.effective_s, r.usd_per_kwh)).result()
         if config.price_book:
             self.ledger.submit(lambda ledger: ledger.set_price_book(config.price_book)).result()
         self.ingested = asyncio.Event()  # set after every committed batch (tests await it)
@@ -181,15 +188,23 @@ class AccountingService:
             await self._maybe_refresh(caught_up=len(msgs) < self.config.batch_size)
             self.ingested.set()
 
-    async def _decode_all(self, stream: str, msgs: list[Msg], cls: type[Any]) -> tuple[list[Any], list[Msg]]:
+    async def _decode_all(self, stream: str, msgs: list[Msg], cls: type[Any], problem: Callable[[Any], str | None]
+                          ) -> tuple[list[Any], list[Msg]]:
+        """The messages that decode and pass ``problem`` (validation.py), with their items; the rest are parked."""
         items: list[Any] = []
         good: list[Msg] = []
         for msg in msgs:
             try:
-                items.append(decode(msg.data, cls))
-                good.append(msg)
+                item = decode(msg.data, cls)
             except ProtoDecodeError as exc:
                 await self._park(stream, msg, exc.reason)
+                continue
+            reason = problem(item)
+            if reason is not None:
+                await self._park(stream, msg, f"invalid: {reason}")
+                continue
+            items.append(item)
+            good.append(msg)
         return items, good
 
     async def _park(self, stream: str, msg: Msg, reason: str) -> None:
@@ -200,31 +215,56 @@ class AccountingService:
         except Exception:  # not a JetStream delivery (no metadata in the reply subject)
             seq = None
         await self._write(lambda ledger: ledger.park(stream, msg.subject, seq, reason, msg.data))
-        log.warning("parked undecodable %s message on %s: %s", stream, msg.subject, reason)
+        log.warning("parked a %s message on %s: %s", stream, msg.subject, reason)
         await msg.term()
 
     async def _write(self, fn: Callable[[Any], Any]) -> Any:
         return await asyncio.wrap_future(self.ledger.submit(fn))
 
     async def _ingest_usage(self, msgs: list[Msg]) -> None:
-        records, good = await self._decode_all(subjects.STREAM_USAGE, msgs, UsageRecord)
-        if records:
-            added = await self._write(lambda ledger: ledger.insert_usage(records))
+        records, good = await self._decode_all(subjects.STREAM_USAGE, msgs, UsageRecord, usage_problem)
+
+        async def store(batch: Sequence[UsageRecord]) -> None:
+            added = await self._write(lambda ledger: ledger.insert_usage(batch))
             self.stats.usage_ingested += added
-            self.stats.usage_duplicates += len(records) - added
-            # Ack only after the commit: a crash before this line means redelivery, which the
-            # primary key turns into a no-op.
-            for msg in good:
-                await msg.ack()
+            self.stats.usage_duplicates += len(batch) - added
+
+        await self._commit(subjects.STREAM_USAGE, records, good, store)
 
     async def _ingest_energy(self, msgs: list[Msg]) -> None:
-        samples, good = await self._decode_all(subjects.STREAM_ENERGY, msgs, EnergySample)
-        if samples:
-            result = await self._write(lambda ledger: ledger.insert_energy(samples))
+        samples, good = await self._decode_all(subjects.STREAM_ENERGY, msgs, EnergySample, energy_problem)
+
+        async def store(batch: Sequence[EnergySample]) -> None:
+            result = await self._write(lambda ledger: ledger.insert_energy(batch))
             self.stats.energy_ingested += result.num_new
             self.stats.energy_duplicates += result.num_duplicates
-            for msg in good:
-                await msg.ack()
+
+        await self._commit(subjects.STREAM_ENERGY, samples, good, store)
+
+    async def _commit(self, stream: str, items: list[Any], msgs: list[Msg],
+                      store: Callable[[Sequence[Any]], Awaitable[None]]) -> None:
+        """Store ``items`` in one transaction, then ack ``msgs`` (item i came in message i).
+
+        Ack only after the commit: a crash before the ack means redelivery, which the ledger's message
+        identities turn into a no-op. When the ledger refuses the batch (the transaction rolled back),
+        each item is stored alone: one still refused is parked and terminated, the others are acked."""
+        if not items:
+            return
+        try:
+            await store(items)
+        except REFUSED_VALUE_ERRORS as exc:
+            log.warning("the ledger refused a batch of %d %s messages (%s); storing them one by one",
+                        len(items), stream, exc)
+            for item, msg in zip(items, msgs, strict=True):
+                try:
+                    await store([item])
+                except REFUSED_VALUE_ERRORS as item_exc:
+                    await self._park(stream, msg, f"refused by the ledger: {type(item_exc).__name__}: {item_exc}")
+                else:
+                    await msg.ack()
+            return
+        for msg in msgs:
+            await msg.ack()
 
     # ---- rollups and maintenance ------------------------------------------------------------------------
 
@@ -234,7 +274,12 @@ class AccountingService:
         now = time.monotonic()
         if caught_up or now - self._last_refresh_s >= self.config.rollup_interval_s:
             self._last_refresh_s = now
-            await self.refresh_rollups()
+            try:
+                await self.refresh_rollups()
+            except LEDGER_ERRORS:
+                # The refresh is one transaction: its hours stay dirty and are retried next time. Ingest
+                # goes on; a failing refresh must not stop the consumer (and restart into it again).
+                log.exception("rollup refresh failed; its hours stay dirty and are retried")
 
     async def refresh_rollups(self) -> int:
         now_s = time.time()
@@ -282,7 +327,7 @@ class AccountingService:
             with contextlib.suppress(QueryFailed, QueryRejected):
                 await wrapped  # the reader thread is free again before the next query
             raise QueryTimedOut(self.config.query_timeout_s) from None
-        return columns, [[_jsonable(v) for v in r] for r in rows]
+        return columns, [[jsonable(v) for v in r] for r in rows]
 
     async def costs(self, num_days: int = 30) -> dict[str, Any]:
         now_s = time.time()
@@ -292,7 +337,7 @@ class AccountingService:
             ledger.refresh_rollups(now_s, retention)
             return ledger.costs(now_s, num_days)  # type: ignore[no-any-return]
 
-        return _jsonable(await self._write(work))  # type: ignore[no-any-return]
+        return jsonable(await self._write(work))  # type: ignore[no-any-return]
 
     async def _on_sql(self, msg: Msg) -> None:
         reply: dict[str, Any]

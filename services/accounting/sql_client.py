@@ -48,7 +48,7 @@ def _from_file(db: Path, sql: str | None, export_dir: Path) -> dict[str, Any]:
     """Open the ledger read-only (same guards as the service: no file access, read-only transaction)."""
     import duckdb
 
-    from services.accounting.store import Ledger, QueryFailed, QueryRejected
+    from services.accounting.store import Ledger, QueryFailed, QueryRejected, jsonable
 
     if not db.exists():
         raise SqlError(f"no ledger at {db}: start the stack with `make up` (or `llmgw up`) first")
@@ -60,7 +60,8 @@ def _from_file(db: Path, sql: str | None, export_dir: Path) -> dict[str, Any]:
         if sql is None:
             return {"files": [str(p) for p in ledger.export_parquet(export_dir)]}
         columns, rows = ledger.query(sql)
-        return {"columns": columns, "rows": [list(r) for r in rows]}
+        # the same values as the service sends over the bus (so --format json does not depend on the path)
+        return {"columns": columns, "rows": [[jsonable(v) for v in r] for r in rows]}
     except (QueryRejected, QueryFailed) as exc:
         return {"error": str(exc)}
     finally:

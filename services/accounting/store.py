@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime as dt
+import decimal
 import math
 import os
 from collections import defaultdict
@@ -31,6 +32,20 @@ from services.accounting.intervals import Interval, Limits, Reading, Sample, Tok
 T = TypeVar("T")
 
 HOUR_S = 3600
+
+# What a ledger write raises when a *value* cannot be stored (the transaction has been rolled back):
+# DuckDB refusing it (a constraint, a conversion out of range, bad input) or Python failing to convert it
+# first (a timestamp past year 9999). The service parks such a message instead of failing its batch
+# forever. Not here: I/O, memory or transaction trouble (duckdb.OperationalError), which is no message's
+# fault; parking on it would terminate every message of a batch while the disk is full.
+REFUSED_VALUE_ERRORS: tuple[type[Exception], ...] = (
+    duckdb.DataError, duckdb.IntegrityError, duckdb.InvalidInputException, OverflowError, ValueError)
+# Anything a ledger call may raise (the transaction has been rolled back).
+LEDGER_ERRORS: tuple[type[Exception], ...] = (duckdb.Error, OverflowError, ValueError)
+
+DATED_RATE_SOURCE = "--tariff"
+"""``tariff.source`` of a rate entered with a date (:meth:`Ledger.add_dated_rate`); other sources are the
+configured rate (:meth:`Ledger.set_tariff`)."""
 
 _USAGE_COLUMNS = (
     ("request_id", "VARCHAR"), ("ts", "TIMESTAMPTZ"), ("gateway_id", "VARCHAR"), ("gateway_session", "VARCHAR"),
@@ -77,6 +92,21 @@ class EnergyIngest:
     num_duplicates: int
 
 
+def jsonable(value: Any) -> Any:
+    """A value DuckDB returned, as JSON has it: timestamps and dates ISO 8601, DECIMAL a float, BLOB hex."""
+    if isinstance(value, dt.datetime | dt.date):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    return value
+
+
 def _connect(path: Path, read_only: bool) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(str(path), read_only=read_only, config={"enable_external_access": False})
     con.execute("SET TimeZone = 'UTC'")
@@ -85,6 +115,10 @@ def _connect(path: Path, read_only: bool) -> duckdb.DuckDBPyConnection:
 
 def _ts(epoch_s: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(epoch_s, dt.UTC)
+
+
+def _hour_start(t: dt.datetime) -> dt.datetime:
+    return t.replace(minute=0, second=0, microsecond=0)
 
 
 def _hours(start_s: float, end_s: float) -> list[float]:
@@ -105,6 +139,7 @@ class Ledger:
         self.con = _connect(path, read_only)
         if not read_only:
             self.con.execute(schema.TABLES)
+            self.con.execute(schema.MIGRATIONS)
             self.con.execute(schema.VIEWS)
         self.reader = self.con.cursor()
         self.reader.execute("SET TimeZone = 'UTC'")
@@ -119,13 +154,49 @@ class Ledger:
     # ---- configuration rows ---------------------------------------------------------------------------
 
     def set_tariff(self, usd_per_kwh: float, now_s: float, source: str) -> None:
-        """Record the configured rate, effective now, unless it is already the rate in force."""
-        row = self.con.execute("SELECT usd_per_kwh FROM tariff ORDER BY effective_from DESC LIMIT 1").fetchone()
-        if row is not None and row[0] == usd_per_kwh:
+        """Record the configured rate (``--electricity-rate``, the gateway's config), effective now, unless
+        it is the configured rate already recorded.
+
+        Compared with the last *configured* rate, not the rate in force: dated rates
+        (:meth:`add_dated_rate`) stay in force until the configured rate itself changes. The first rate
+        recorded also covers everything before it, so old energy gets a price."""
+        last = self.con.execute("SELECT usd_per_kwh FROM tariff WHERE source <> ? ORDER BY effective_from DESC "
+                                "LIMIT 1", [DATED_RATE_SOURCE]).fetchone()
+        if last is not None and last[0] == usd_per_kwh:
             return
-        # The first rate also covers everything before it, so old energy gets a price.
-        effective = _ts(now_s) if row is not None else dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+        is_empty = self.con.execute("SELECT count(*) = 0 FROM tariff").fetchone() == (True,)
+        effective = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) if is_empty else _ts(now_s)
         self.con.execute("INSERT OR REPLACE INTO tariff VALUES (?, ?, ?)", [effective, usd_per_kwh, source])
+
+    def add_dated_rate(self, effective_s: float, usd_per_kwh: float) -> bool:
+        """Record a rate in force from ``effective_s`` (until the next rate), replacing one that starts at
+        the same moment, and mark every rolled-up hour from then on dirty, so the next refresh prices it
+        again. Returns False (and changes nothing) when exactly that rate is already recorded.
+
+        An hour is priced at the rate in force at its start. Hours older than the raw-data retention are
+        re-priced in place by the refresh (:meth:`refresh_rollups`), so a rate may reach back any time."""
+        effective = _ts(effective_s)
+
+        def work() -> bool:
+            row = self.con.execute("SELECT usd_per_kwh, source FROM tariff WHERE effective_from = ?",
+                                   [effective]).fetchone()
+            if row == (usd_per_kwh, DATED_RATE_SOURCE):
+                return False
+            self.con.execute("INSERT OR REPLACE INTO tariff VALUES (?, ?, ?)",
+                             [effective, usd_per_kwh, DATED_RATE_SOURCE])
+            # Hours not rolled up yet are dirty already; these are the ones priced at the old rate.
+            self.con.execute("INSERT OR IGNORE INTO rollup_dirty SELECT DISTINCT hour FROM energy_hourly "
+                             "WHERE hour >= $1 UNION SELECT DISTINCT hour FROM key_energy_hourly WHERE hour >= $1",
+                             [_hour_start(effective)])
+            return True
+
+        return self._transaction(work)
+
+    def rate_at(self, now_s: float) -> float | None:
+        """The rate in force at ``now_s`` ($/kWh), None before the first."""
+        row = self.con.execute("SELECT usd_per_kwh FROM tariff WHERE effective_from <= ? ORDER BY effective_from "
+                               "DESC LIMIT 1", [_ts(now_s)]).fetchone()
+        return None if row is None else float(row[0])
 
     def set_price_book(self, entries: dict[str, PriceBookEntry], replace: bool = False) -> None:
         """Upsert list prices; ``replace``: the given book is the whole book (a model not in it loses its price)."""
@@ -136,10 +207,6 @@ class Ledger:
             self.con.execute("INSERT OR REPLACE INTO price_book VALUES (?, ?, ?, ?, now())",
                              [model_id, e.prompt_usd_per_m, e.cached_usd_per_m, e.output_usd_per_m])
         self.con.execute("COMMIT")
-
-    def current_rate(self) -> float | None:
-        row = self.con.execute("SELECT usd_per_kwh FROM tariff ORDER BY effective_from DESC LIMIT 1").fetchone()
-        return None if row is None else float(row[0])
 
     # ---- ingest -----------------------------------------------------------------------------------------
 
@@ -320,29 +387,37 @@ class Ledger:
     def refresh_rollups(self, now_s: float, retention_days: float) -> int:
         """Recompute the hourly and daily rollups of every hour marked dirty; returns hours refreshed.
 
-        Hours older than the raw-data retention are not recomputed (their raw rows may be gone; their
-        rollups are kept as they were)."""
+        Hours older than the raw-data retention are not recomputed (their raw rows may be gone); their
+        hourly rollups are only priced again at the tariff in force (a dated rate entered later), from
+        the joules they keep, and their days summed again."""
         cutoff = _ts(now_s - retention_days * 86400 + HOUR_S)
 
         def work() -> int:
             self.con.execute("CREATE OR REPLACE TEMP TABLE dirty_now AS SELECT hour FROM rollup_dirty WHERE hour >= ?",
                              [cutoff])
+            self.con.execute("CREATE OR REPLACE TEMP TABLE dirty_old AS SELECT hour FROM rollup_dirty WHERE hour < ?",
+                             [cutoff])
             self.con.execute("DELETE FROM rollup_dirty")
-            row = self.con.execute("SELECT count(*), min(hour), max(hour) + INTERVAL 1 HOUR FROM dirty_now").fetchone()
+            row = self.con.execute("SELECT count(*), min(hour), max(hour) + INTERVAL 1 HOUR, "
+                                   "(SELECT count(*) FROM dirty_old) FROM dirty_now").fetchone()
             assert row is not None
-            num, lo, hi = row
+            num, lo, hi, num_old = row
             if num:
                 for table in ("energy_hourly", "key_energy_hourly", "usage_hourly"):
                     self.con.execute(f"DELETE FROM {table} WHERE hour IN (SELECT hour FROM dirty_now)")
                 for sql in (schema.REFRESH_ENERGY_HOURLY, schema.REFRESH_KEY_ENERGY_HOURLY,
                             schema.REFRESH_USAGE_HOURLY):
                     self.con.execute(sql, [lo, hi])
-                self.con.execute("CREATE OR REPLACE TEMP TABLE dirty_days AS "
-                                 "SELECT DISTINCT hour::DATE AS day FROM dirty_now")
+            if num_old:
+                for sql in schema.REPRICE_HOURLY:
+                    self.con.execute(sql)
+            if num or num_old:
+                self.con.execute("CREATE OR REPLACE TEMP TABLE dirty_days AS SELECT DISTINCT hour::DATE AS day "
+                                 "FROM (SELECT hour FROM dirty_now UNION ALL SELECT hour FROM dirty_old)")
                 for table, sql in schema.REFRESH_DAILY.items():
                     self.con.execute(f"DELETE FROM {table} WHERE day IN (SELECT day FROM dirty_days)")
                     self.con.execute(sql)
-            return int(num)
+            return int(num + num_old)
 
         return self._transaction(work)
 
@@ -421,13 +496,18 @@ class Ledger:
                                              busy_output_tokens=r[5], covered_s=r[6], device_s=r[7],
                                              methods=tuple(r[8])) for r in rows}
 
+        # Per key: busy energy only, its methods from the intervals attributed to the key's requests, and
+        # coverage over output tokens (device-time is shared between keys; tokens are what it is split by).
         key_rows = self.con.execute(
-            "SELECT api_key_id, sum(busy_j), sum(energy_usd), sum(estimated_j), coalesce(sum(output_tokens), 0), "
-            "list(DISTINCT 'counter') FROM key_energy_daily WHERE day >= ? GROUP BY ALL", [start]).fetchall()
+            "SELECT api_key_id, sum(busy_j), sum(energy_usd), sum(estimated_j), "
+            "coalesce(sum(measured_output_tokens), 0), coalesce(sum(output_tokens), 0), "
+            "list(DISTINCT method) FILTER (method IS NOT NULL) "
+            "FROM key_energy_daily WHERE day >= ? GROUP BY ALL", [start]).fetchall()
         key_energy = {r[0]: costs.EnergyTotals(measured_j=r[1], energy_usd=r[2], estimated_j=r[3], busy_j=r[1],
-                                               busy_output_tokens=r[4]) for r in key_rows}
+                                               busy_output_tokens=r[4], attributed_output_tokens=r[5],
+                                               methods=tuple(r[6] or ())) for r in key_rows}
         return costs.build_costs(
-            now=now, num_days=num_days, rate_usd_per_kwh=self.current_rate(),
+            now=now, num_days=num_days, rate_usd_per_kwh=self.rate_at(now_s),
             daily_usage=usage("day"), daily_energy=energy("day"),
             by_model=(usage("model"), energy("model_id")), by_member=(usage("worker_id"), energy("worker_id")),
             by_api_key=(usage("api_key_id"), key_energy))

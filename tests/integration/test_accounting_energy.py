@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import duckdb
 import msgspec
 import pytest
 
@@ -224,6 +225,30 @@ async def test_missing_readings_are_null_and_lower_coverage_never_zero_kwh(nc: A
         assert over_bus["today"]["kwh"] is None and len(over_bus["daily"]) == 30
 
 
+async def test_an_api_key_carries_the_methods_of_its_intervals_and_the_share_of_its_tokens_measured(
+        nc: Any, tmp_path: Path) -> None:
+    publish = Publisher(nc)
+    t0 = max(time.time() - 600, utc_midnight() + 1)
+    # 1 → 2: 1000 J by counter, r1 (k1) made 3 tokens; 2 → 3: no reading, r1 made 1 token and r2 (k2) 2.
+    await publish(energy(1, t0, 0))
+    await publish(energy(2, t0 + 5, 1_000_000, tokens=(("r1", 3),)))
+    await publish(energy(3, t0 + 10, None, tokens=(("r1", 1), ("r2", 2))))
+    await publish(usage("r1", t0 + 10, 4, api_key_id="k1"))
+    await publish(usage("r2", t0 + 10, 2, api_key_id="k2"))
+    async with running(nc, tmp_path / "l.duckdb") as service:
+        await ingested(service, lambda s: s.stats.energy_ingested >= 3 and s.stats.usage_ingested >= 2)
+        keys = {k["api_key_id"]: k for k in (await service.costs(30))["by_api_key"]}
+        k1, k2 = keys["k1"], keys["k2"]
+        assert (k1["methods"], k2["methods"]) == (["counter", "unavailable"], ["unavailable"])
+        assert k1["kwh"] == pytest.approx(1000 / 3.6e6) and k1["j_per_output_token"] == pytest.approx(1000 / 3)
+        assert k1["coverage_pct"] == pytest.approx(100 * 3 / (3 + 1))
+        # no valid reading while k2 ran: its energy is unknown (null, not 0) and its coverage 0
+        assert (k2["kwh"], k2["energy_usd"], k2["j_per_output_token"], k2["coverage_pct"]) == (None, None, None, 0.0)
+        assert await sql(service, "SELECT api_key_id, methods, round(coverage_pct, 9) FROM daily_key_energy "
+                                  "ORDER BY api_key_id") == [["k1", ["counter", "unavailable"], 75.0],
+                                                             ["k2", ["unavailable"], 0.0]]
+
+
 REFUSED = [
     "INSERT INTO requests (request_id) VALUES ('x')",
     "ATTACH 'other.duckdb' AS o",
@@ -304,6 +329,12 @@ async def test_retention_drops_old_raw_samples_but_keeps_rollups_and_export_writ
         assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == [
             "energy_daily.parquet", "energy_hourly.parquet", "key_energy_daily.parquet", "key_energy_hourly.parquet",
             "usage_daily.parquet", "usage_hourly.parquet"]
+        # what an external tool reads back: the rollup's rows, joules and all
+        with duckdb.connect() as con:
+            exported = con.execute("SELECT count(*), sum(measured_j) FROM read_parquet(?)",
+                                   [str(tmp_path / "exports" / "energy_daily.parquet")]).fetchall()
+        assert await sql(service, "SELECT count(*) FROM energy_daily") == [[1]]  # one day, worker, model, method
+        assert exported == [(1, pytest.approx(50_000 / 1000))]
     assert math.isfinite(old)
 
 

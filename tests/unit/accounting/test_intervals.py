@@ -90,9 +90,12 @@ def test_prefill_only_intervals_are_split_by_prompt_tokens() -> None:
     assert {s.request_id: s.energy_j for s in shares} == pytest.approx({"a": 6.0, "b": 3.0})
 
 
-def test_an_unknown_energy_is_attributed_to_nobody() -> None:
+def test_an_unknown_energy_gives_its_requests_shares_without_energy_and_no_idle_share() -> None:
     (iv,) = derive_intervals([sample(1, 0.0, 9_000), sample(2, 5.0, 0)], LIMITS)
-    assert attribute(iv, [TokenCount(request_id="a", output_tokens=5)]) == []
+    shares = attribute(iv, [TokenCount(request_id="a", output_tokens=5), TokenCount(request_id="b", prompt_tokens=7)])
+    # b only prefilled while a produced output: output tokens are the weights, so b has no share
+    assert [(s.request_id, s.energy_j, s.output_tokens) for s in shares] == [("a", None, 5)]
+    assert attribute(iv, []) == []
 
 
 counters = st.lists(st.one_of(st.none(), st.integers(0, 10**9)), min_size=2, max_size=30)
@@ -111,8 +114,9 @@ def test_conservation_and_non_negativity_for_any_counter_sequence(values, steps,
         assert iv.energy_j is None or iv.energy_j >= 0
         tokens = [TokenCount(request_id=r, prompt_tokens=p, output_tokens=o) for r, p, o in data.draw(token_lists)]
         shares = attribute(iv, tokens)
-        assert all(s.energy_j >= 0 for s in shares)
         if iv.energy_j is None:
-            assert shares == []
+            assert all(s.energy_j is None and s.request_id is not None for s in shares)
         else:
-            assert math.isclose(math.fsum(s.energy_j for s in shares), iv.energy_j, rel_tol=1e-12, abs_tol=1e-9)
+            assert all(s.energy_j is not None and s.energy_j >= 0 for s in shares)
+            assert math.isclose(math.fsum(s.energy_j or 0.0 for s in shares), iv.energy_j, rel_tol=1e-12,
+                                abs_tol=1e-9)
