@@ -3,10 +3,16 @@
     llmgw admin create-user NAME [--role admin|user] [--password-stdin] [--data-dir DIR]
     llmgw admin reset-password NAME [--password-stdin] [--data-dir DIR]
     llmgw admin list-users [--data-dir DIR]
+    llmgw admin list-keys [--user NAME] [--data-dir DIR]
+    llmgw admin set-quota KEY_ID N|none [--data-dir DIR]
 
 Works on the identity database in the gateway's data dir (SQLite: safe while the gateway runs). The
 password is asked for twice on a terminal (never taken as an argument, so it stays out of shell history
 and ``ps``), or read from stdin with ``--password-stdin``.
+
+Users and passwords changed here count at once, also for a running gateway. Keys are different: a
+running gateway keeps its keys in memory and rereads the file every 15 s, so a quota set here applies
+within 15 s; the Users page (``/admin/users``) applies one at once.
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ from __future__ import annotations
 import argparse
 import getpass
 import sys
+import time
 
 from services.common.runtime import data_dir
 from services.gateway.identity import (
     ROLES,
+    ApiKey,
     IdentityError,
     IdentityStore,
     check_password_rules,
@@ -35,6 +43,27 @@ def _read_password(from_stdin: bool) -> str:
     return first
 
 
+def _quota(text: str) -> int | None:
+    """``N`` tokens per UTC day (1 or more), or ``none`` for no quota."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens or 'none'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("a quota is 1 token or more ('none' for no quota; revoke a key to stop it)")
+    return value
+
+
+def _key_status(key: ApiKey, now_s: float) -> str:
+    if key.revoked_s is not None:
+        return "revoked"
+    if key.expires_s is not None:
+        return "expired" if now_s >= key.expires_s else "rotated"
+    return "active"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="llmgw admin", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -46,7 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     for p in (create, reset):
         p.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
     listing = sub.add_parser("list-users", help="list users and roles")
-    for p in (create, reset, listing):
+    keys = sub.add_parser("list-keys", help="list API keys: id, user, name, hint, daily quota, status")
+    keys.add_argument("--user", help="only this user's keys")
+    quota = sub.add_parser("set-quota", help="set a key's daily token quota (prompt + output tokens per UTC day)")
+    quota.add_argument("key_id", help="the key's id (key_…, see list-keys)")
+    quota.add_argument("quota", type=_quota, metavar="N|none", help="tokens per UTC day, or 'none' for no quota")
+    for p in (create, reset, listing, keys, quota):
         p.add_argument("--data-dir", help="the gateway's data directory (default: $LLMGW_DATA_DIR or ./data)")
     args = parser.parse_args(argv)
     store = IdentityStore(data_dir(args.data_dir) / "identity")
@@ -54,6 +88,25 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "list-users":
             for user in store.users():
                 print(f"{user.name}\t{user.role}")
+            return
+        if args.command == "list-keys":
+            names = {u.user_id: u.name for u in store.users()}
+            if args.user is not None and args.user not in names.values():
+                raise IdentityError("user", f"no user named {args.user!r}")
+            now = time.time()
+            for key in store.keys_of(None):
+                if args.user is None or names.get(key.user_id) == args.user:
+                    quota = "none" if key.daily_quota is None else str(key.daily_quota)
+                    print(f"{key.key_id}\t{names.get(key.user_id, '?')}\t{key.name}\t{key.hint}\t{quota}\t"
+                          f"{_key_status(key, now)}")
+            return
+        if args.command == "set-quota":
+            if store.key_by_id(args.key_id) is None:
+                raise IdentityError("key_id", f"no key with id {args.key_id!r} (see llmgw admin list-keys)")
+            store.set_quota(args.key_id, args.quota)
+            shown = "none" if args.quota is None else f"{args.quota:,} tokens per UTC day"
+            print(f"daily quota of {args.key_id} set to {shown}; a running gateway applies it within 15 s "
+                  "(the Users page applies it at once)")
             return
         check_user_name(args.name)
         if args.command == "reset-password" and store.password_hash(args.name) is None:

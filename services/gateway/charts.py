@@ -10,6 +10,10 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+KWH_COLOUR = "#0b5cad"  # the stylesheet's --accent
+USD_COLOUR = "#b54708"  # orange-brown: 5.4:1 on white (WCAG AA for small text), unlike the blue without red/green
+MISSING_COLOUR = "#9aa4ae"
+
 
 def sparkline_svg(history: Sequence[float], width: int = 80, height: int = 20) -> str:
     """A load history (values in [0, 1]) as a polyline; empty for fewer than two points."""
@@ -23,39 +27,89 @@ def sparkline_svg(history: Sequence[float], width: int = 80, height: int = 20) -
             f'points="{points}"/></svg>')
 
 
-def daily_chart_svg(days: Sequence[tuple[str, float | None, float | None]], width: int = 720,
-                    height: int = 220) -> str:
-    """Bars of daily kWh with the day's $ in the tooltip; a day without valid readings is drawn as a
-    dashed outline labelled "no data" (unknown, not zero)."""
-    left, bottom, top = 48, 28, 12
-    plot_w, plot_h = width - left - 8, height - top - bottom
-    known = [kwh for _, kwh, _ in days if kwh is not None]
-    peak = max(known, default=0.0) or 1.0
-    n = max(len(days), 1)
-    slot = plot_w / n
+def _runs(points: Sequence[tuple[float, float] | None]) -> list[list[tuple[float, float]]]:
+    """Consecutive known points, split wherever a day is unknown (a line never bridges a missing day)."""
+    runs: list[list[tuple[float, float]]] = [[]]
+    for point in points:
+        if point is None:
+            if runs[-1]:
+                runs.append([])
+        else:
+            runs[-1].append(point)
+    return [run for run in runs if run]
+
+
+def daily_chart_svg(days: Sequence[tuple[str, float | None, float | None]], width: int = 720, height: int = 250,
+                    id_prefix: str = "daily-chart") -> str:
+    """Daily kWh as bars (left axis) and the day's energy $ as a line with a point per day (right axis).
+
+    ``days`` is ``(UTC day "YYYY-MM-DD", kWh, $)``, oldest first. Each axis runs from 0 to its own peak.
+    A day without valid readings (kWh None) is drawn as a dashed outline titled "no data": unknown, not
+    zero. A day with $ None gets no point, and the $ line breaks there instead of bridging it. The chart
+    is an image to assistive technology, named by its ``<title>`` and described by its ``<desc>``; the
+    costs page puts the same figures in a table next to it.
+    """
+    left, right, bottom, top = 52, 60, 28, 34
+    plot_w, plot_h = width - left - right, height - top - bottom
+    known_kwh = [kwh for _, kwh, _ in days if kwh is not None]
+    known_usd = [usd for _, _, usd in days if usd is not None]
+    peak_kwh = max(known_kwh, default=0.0) or 1.0
+    peak_usd = max(known_usd, default=0.0) or 1.0
+    slot = plot_w / max(len(days), 1)
+    num_missing = len(days) - len(known_kwh)
+    title = f"Daily energy (kWh) and energy cost ($), last {len(days)} days"
+    desc = (f"Bars: kWh per UTC day on the left axis (peak {max(known_kwh, default=0.0):.4f} kWh). Line: energy $ "
+            f"per day on the right axis (peak ${max(known_usd, default=0.0):.4f}). {num_missing} of {len(days)} "
+            "days have no valid readings: dashed outlines, unknown rather than zero. The table after the chart "
+            "lists every day.")
     parts = [f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" '
-             f'aria-label="Daily energy in kWh over the last {len(days)} days">']
+             f'aria-labelledby="{id_prefix}-title {id_prefix}-desc">'
+             f'<title id="{id_prefix}-title">{title}</title><desc id="{id_prefix}-desc">{desc}</desc>']
     for frac in (0.0, 0.5, 1.0):
         y = top + plot_h * (1 - frac)
-        parts.append(f'<line x1="{left}" x2="{width - 8}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d8dee4"/>'
-                     f'<text x="{left - 4}" y="{y + 4:.1f}" font-size="10" text-anchor="end">'
-                     f'{peak * frac:.3g}</text>')
-    parts.append(f'<text x="4" y="{top + 10}" font-size="10">kWh</text>')
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d8dee4"/>'
+                     f'<text class="axis-kwh" x="{left - 4}" y="{y + 4:.1f}" font-size="10" text-anchor="end" '
+                     f'fill="{KWH_COLOUR}">{peak_kwh * frac:.3g}</text>'
+                     f'<text class="axis-usd" x="{width - right + 4}" y="{y + 4:.1f}" font-size="10" '
+                     f'fill="{USD_COLOUR}">${peak_usd * frac:.3g}</text>')
+    parts.append(f'<text x="{left - 4}" y="{top - 8}" font-size="10" text-anchor="end" fill="{KWH_COLOUR}">kWh</text>'
+                 f'<text x="{width - right + 4}" y="{top - 8}" font-size="10" fill="{USD_COLOUR}">$</text>')
+    # legend, above the plot
+    lx = left + 24
+    parts.append(f'<rect x="{lx}" y="6" width="10" height="10" fill="{KWH_COLOUR}"/>'
+                 f'<text x="{lx + 14}" y="15" font-size="10">kWh per day (left)</text>'
+                 f'<line x1="{lx + 130}" x2="{lx + 150}" y1="11" y2="11" stroke="{USD_COLOUR}" stroke-width="2"/>'
+                 f'<circle cx="{lx + 140}" cy="11" r="2.5" fill="{USD_COLOUR}"/>'
+                 f'<text x="{lx + 154}" y="15" font-size="10">energy $ per day (right)</text>'
+                 f'<rect x="{lx + 290}" y="6" width="10" height="10" fill="none" stroke="{MISSING_COLOUR}" '
+                 f'stroke-dasharray="2 2"/><text x="{lx + 304}" y="15" font-size="10">no data</text>')
+    usd_points: list[tuple[float, float] | None] = []
     for i, (day, kwh, usd) in enumerate(days):
         x = left + i * slot + slot * 0.15
         w = slot * 0.7
         label = html.escape(day)
         if kwh is None:
-            parts.append(f'<rect x="{x:.1f}" y="{top + plot_h - 6}" width="{w:.1f}" height="6" fill="none" '
-                         f'stroke="#9aa4ae" stroke-dasharray="2 2"><title>{label}: no data</title></rect>')
+            parts.append(f'<rect class="missing" x="{x:.1f}" y="{top + plot_h - 6}" width="{w:.1f}" height="6" '
+                         f'fill="none" stroke="{MISSING_COLOUR}" stroke-dasharray="2 2">'
+                         f'<title>{label}: no data</title></rect>')
         else:
-            h = plot_h * kwh / peak
-            cost = "unknown" if usd is None else f"${usd:.4f}"
-            parts.append(f'<rect x="{x:.1f}" y="{top + plot_h - h:.1f}" width="{w:.1f}" height="{h:.1f}" '
-                         f'fill="#0b5cad"><title>{label}: {kwh:.4f} kWh, {cost}</title></rect>')
+            h = plot_h * kwh / peak_kwh
+            cost = "$ unknown" if usd is None else f"${usd:.4f}"
+            parts.append(f'<rect class="kwh" x="{x:.1f}" y="{top + plot_h - h:.1f}" width="{w:.1f}" '
+                         f'height="{h:.1f}" fill="{KWH_COLOUR}"><title>{label}: {kwh:.4f} kWh, {cost}</title></rect>')
+        usd_points.append(None if usd is None else (x + w / 2, top + plot_h * (1 - usd / peak_usd)))
         if i % 5 == 0 or i == len(days) - 1:
             parts.append(f'<text x="{x + w / 2:.1f}" y="{height - 10}" font-size="9" text-anchor="middle">'
                          f'{label[5:]}</text>')
+    for run in _runs(usd_points):
+        if len(run) > 1:
+            points = " ".join(f"{x:.1f},{y:.1f}" for x, y in run)
+            parts.append(f'<polyline class="usd" fill="none" stroke="{USD_COLOUR}" stroke-width="2" '
+                         f'points="{points}"/>')
+    for (day, _, usd), point in zip(days, usd_points, strict=True):
+        if point is not None:
+            parts.append(f'<circle class="usd" cx="{point[0]:.1f}" cy="{point[1]:.1f}" r="2.5" fill="{USD_COLOUR}">'
+                         f'<title>{html.escape(day)}: ${usd:.4f}</title></circle>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -82,6 +136,24 @@ def costs_view(data: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "periods": periods, "chart": daily_chart_svg(daily), "rate": data.get("rate_usd_per_kwh"),
+        "daily": [_row(str(d.get("day", "")), d) for d in data.get("daily", [])],
         "methods": ", ".join(methods), "by_model": rows("by_model", "model"),
         "by_member": rows("by_member", "member"), "by_key": rows("by_api_key", "api_key_id"),
     }
+
+
+def key_usage_view(data: dict[str, Any], key_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The costs document's 30-day ``by_api_key`` rows for ``key_ids`` only (a user's own page), by key id.
+
+    ``tokens`` is prompt + output tokens (cached prompt tokens are part of the prompt); keys without
+    traffic in the window are absent.
+    """
+    wanted = set(key_ids)
+    out = {}
+    for entry in data.get("by_api_key", []):
+        key_id = entry.get("api_key_id")
+        if key_id in wanted:
+            row = _row(str(key_id), entry)
+            known = [n for n in (row["prompt_tokens"], row["output_tokens"]) if n is not None]
+            out[str(key_id)] = {**row, "tokens": sum(known) if known else None}
+    return out

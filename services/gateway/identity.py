@@ -299,6 +299,11 @@ class IdentityStore:
 
     # ---- API keys -----------------------------------------------------------------------------------
 
+    def refresh(self) -> None:
+        """Forget what is cached in memory: another process (``llmgw admin``) may have changed the file."""
+        self._users.clear()
+        self.reload_keys()
+
     def reload_keys(self) -> None:
         rows = self.db.execute(
             "SELECT key_id, user_id, name, key_sha256, hint, daily_quota, created_s, expires_s, revoked_s, "

@@ -9,7 +9,8 @@ per row, ``users.<user_id>`` / ``api_keys.<key_id>``, the newest version kept):
   one gateway creates the bootstrap admin, elected by ``kv.create``), then offers its own rows that the
   bucket lacks or holds older (users made with ``llmgw admin create-user`` while it was stopped);
 - puts from the others arrive on a plain subscription to the bucket's subjects, which the client
-  re-establishes after a reconnect; a full pass every :data:`RESYNC_S` catches what an outage hid.
+  re-establishes after a reconnect; a full pass every :data:`RESYNC_S` catches what an outage hid and
+  what ``llmgw admin`` wrote into this gateway's file behind its back.
 
 Per row, the version with the later ``updated_s`` wins. Sessions are not shared: a browser signs in
 to each gateway it talks to (use sticky sessions for the admin pages behind a load balancer).
@@ -36,7 +37,7 @@ from services.gateway.identity import REPLICATED, IdentityStore
 
 log = logging.getLogger(__name__)
 
-RESYNC_S = 60.0
+RESYNC_S = 15.0
 RETRY_S = 1.0
 BOOTSTRAP_KEY = "bootstrap"
 _KV_PREFIX = f"$KV.{subjects.KV_IDENTITY}."
@@ -106,6 +107,7 @@ class IdentitySync:
             with contextlib.suppress(Exception):
                 await watcher.stop()
         self._retry_waiting()
+        self.store.refresh()  # rows ``llmgw admin`` changed in the file while we ran
         for table, row in self.store.replica_rows():
             key = entry_key(table, row)
             if float(row["updated_s"]) > held.get(key, -1.0):  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """The admin pages, rendered on the server (jinja2, autoescaped; no build step): sign-in, Backends, Config,
-Usage & costs, Users and each user's own keys page. Handlers only; the rules live in auth.py, the
-form ↔ config mapping in config_form.py and the chart in charts.py (both pure).
+Usage & costs, Users (with each key's daily quota) and each user's own keys page. Handlers only; the rules
+live in auth.py, the form ↔ config mapping in config_form.py and the charts in charts.py (both pure).
 """
 
 from __future__ import annotations
@@ -37,6 +37,31 @@ if TYPE_CHECKING:
 _HERE = Path(__file__).parent
 STYLE = (_HERE / "static" / "style.css").read_bytes()
 GRACE_HOURS_DEFAULT = 24.0
+MAX_DAILY_QUOTA = 10**12  # tokens; far above any real day, and well inside SQLite's 64-bit INTEGER
+COSTS_TIMEOUT_S = 5.0  # the admin costs page waits this long for the accounting service
+OWN_USAGE_TIMEOUT_S = 2.0  # a user's own page shows its keys without the 30-day figures after this
+
+
+def parse_daily_quota(text: str) -> int | None:
+    """A daily token quota field: empty → None (no quota), else a whole number of tokens, 1 or more.
+
+    Thousands separators ("1,000" or "1_000") are accepted. Raises IdentityError("daily_quota", why) for
+    anything else, so the form shows the reason next to the field.
+    """
+    text = text.strip().replace(",", "").replace("_", "")
+    if not text:
+        return None
+    digits = text.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit()):
+        raise IdentityError("daily_quota", "must be a whole number of tokens, or empty for no quota")
+    if text.startswith("-"):
+        raise IdentityError("daily_quota", "must not be negative")
+    value = int(text)
+    if value < 1:
+        raise IdentityError("daily_quota", "must be at least 1 token (empty: no quota; to stop a key, revoke it)")
+    if value > MAX_DAILY_QUOTA:
+        raise IdentityError("daily_quota", f"must be at most {MAX_DAILY_QUOTA:,} tokens (empty: no quota)")
+    return value
 
 
 def _num(value: Any, digits: int = 0, suffix: str = "") -> str:
@@ -85,6 +110,7 @@ class Pages:
         r.add_get("/admin/costs.json", self.costs_json)
         r.add_get("/admin/users", self.users_page)
         r.add_post("/admin/users", self.users_create)
+        r.add_post("/admin/keys/{key_id}/quota", self.key_quota)
         r.add_get("/account", self.account_page)
         r.add_post("/account/keys", self.key_create)
         r.add_post("/account/keys/{key_id}/rotate", self.key_rotate)
@@ -215,9 +241,9 @@ class Pages:
 
     # ---- Usage & costs ----------------------------------------------------------------------------
 
-    async def _costs(self) -> dict[str, Any]:
+    async def _costs(self, timeout_s: float = COSTS_TIMEOUT_S) -> dict[str, Any]:
         try:
-            msg = await self.gw.nc.request(subjects.ACCOUNTING_COSTS, b'{"days": 30}', timeout=5.0)
+            msg = await self.gw.nc.request(subjects.ACCOUNTING_COSTS, b'{"days": 30}', timeout=timeout_s)
             data = json.loads(msg.data)
         except Exception as exc:
             raise HTTPError(503, f"the accounting service did not answer ({type(exc).__name__}); is it running?",
@@ -242,15 +268,43 @@ class Pages:
 
     # ---- Users ------------------------------------------------------------------------------------
 
-    def _users_view(self, session: Session, status: int = 200, created: str = "", error: str = "") -> web.Response:
+    def _users_view(self, session: Session, status: int = 200, created: str = "", error: str = "",
+                    quota_saved: str = "", quota_errors: dict[str, str] | None = None,
+                    quota_values: dict[str, str] | None = None) -> web.Response:
+        """``quota_errors``/``quota_values``: a refused quota form's reason and text, by key id."""
+        now = time.time()
         keys = self.auth.store.keys_of(None)
-        users = [{"name": u.name, "role": u.role, "keys": sum(1 for k in keys if k.user_id == u.user_id)}
-                 for u in self.auth.store.users()]
+        all_users = self.auth.store.users()
+        names = {u.user_id: u.name for u in all_users}
+        users = [{"name": u.name, "role": u.role, "num_keys": sum(1 for k in keys if k.is_valid(now) and
+                                                              k.user_id == u.user_id)} for u in all_users]
+        quota_errors, quota_values = quota_errors or {}, quota_values or {}
+        usable = sorted((k for k in keys if k.is_valid(now)), key=lambda k: (names.get(k.user_id, ""), k.name))
+        key_rows = [{"key_id": k.key_id, "user": names.get(k.user_id, "?"), "name": k.name, "hint": k.hint,
+                     "rotated": k.replaced_by is not None, "used_today": self.auth.used_today(k.key_id, now),
+                     "quota_text": quota_values.get(k.key_id, "" if k.daily_quota is None else str(k.daily_quota)),
+                     "daily_quota": k.daily_quota, "error": quota_errors.get(k.key_id, "")} for k in usable]
+        saved = self.auth.store.key_by_id(quota_saved) if quota_saved else None
         return self.render("users.html", status, title="Users", page="users", session=session, users=users,
-                           created=created, error=error)
+                           keys=key_rows, created=created, error=error, quota_saved=saved)
 
     async def users_page(self, request: web.Request) -> web.Response:
-        return self._users_view(self.auth.page_user(request, time.time(), admin=True))
+        session = self.auth.page_user(request, time.time(), admin=True)
+        return self._users_view(session, quota_saved=request.query.get("quota_saved", ""))
+
+    async def key_quota(self, request: web.Request) -> web.Response:
+        """An admin sets (or clears) any key's daily token quota; it applies to the key's next request."""
+        session = self.auth.page_user(request, time.time(), admin=True)
+        form = await self._form(request, session)
+        key_id = request.match_info["key_id"]
+        if self.auth.store.key_by_id(key_id) is None:
+            raise HTTPError(404, "no such key", code="key_not_found")
+        text = form.get("daily_quota", "")
+        try:
+            self.auth.store.set_quota(key_id, parse_daily_quota(text))
+        except IdentityError as exc:
+            return self._users_view(session, 400, quota_errors={key_id: exc.message}, quota_values={key_id: text})
+        raise web.HTTPSeeOther(f"/admin/users?quota_saved={key_id}#key-{key_id}")
 
     async def users_create(self, request: web.Request) -> web.Response:
         session = self.auth.page_user(request, time.time(), admin=True)
@@ -267,42 +321,54 @@ class Pages:
 
     # ---- a user's own keys ------------------------------------------------------------------------
 
-    def _account_view(self, session: Session, status: int = 200, new_key: str = "", new_key_name: str = "",
-                      error: str = "") -> web.Response:
+    async def _own_usage(self, key_ids: list[str]) -> tuple[dict[str, dict[str, Any]], str]:
+        """The accounting service's 30-day figures for these keys only, and why they are missing ("" if not)."""
+        if not key_ids:
+            return {}, ""
+        try:
+            data = await self._costs(OWN_USAGE_TIMEOUT_S)
+        except HTTPError as err:
+            return {}, err.message
+        return charts.key_usage_view(data, key_ids), ""
+
+    async def _account_view(self, session: Session, status: int = 200, new_key: str = "", new_key_name: str = "",
+                            error: str = "") -> web.Response:
         now = time.time()
+        own = self.auth.store.keys_of(session.user.user_id)
+        usage, usage_error = await self._own_usage([k.key_id for k in own])
         keys = []
-        for k in self.auth.store.keys_of(session.user.user_id):
+        for k in own:
             if k.revoked_s is not None:
                 status_text = "revoked"
             elif k.expires_s is not None:
                 status_text = "expired" if now >= k.expires_s else f"rotated: works until {_utc(k.expires_s)}"
             else:
                 status_text = "active"
+            # a key absent from the window had no traffic (0), unless the figures could not be fetched (unknown)
+            window = usage.get(k.key_id) or ({} if usage_error else {"tokens": 0, "list_usd": 0.0, "energy_usd": 0.0})
             keys.append({"key_id": k.key_id, "name": k.name, "hint": k.hint, "status": status_text,
                          "active": k.is_valid(now) and k.replaced_by is None, "daily_quota": k.daily_quota,
-                         "used_today": self.auth.used_today(k.key_id, now)})
+                         "used_today": self.auth.used_today(k.key_id, now), "tokens_30d": window.get("tokens"),
+                         "list_usd_30d": window.get("list_usd"), "energy_usd_30d": window.get("energy_usd")})
+        totals = {field: _total(k[field] for k in keys) for field in ("tokens_30d", "list_usd_30d", "energy_usd_30d")}
         return self.render("account.html", status, title="My keys & usage", page="account", session=session,
-                           keys=keys, new_key=new_key, new_key_name=new_key_name, error=error)
+                           keys=keys, totals=totals, usage_error=usage_error, new_key=new_key,
+                           new_key_name=new_key_name, error=error)
 
     async def account_page(self, request: web.Request) -> web.Response:
-        return self._account_view(self.auth.page_user(request, time.time(), admin=False))
+        return await self._account_view(self.auth.page_user(request, time.time(), admin=False))
 
     async def key_create(self, request: web.Request) -> web.Response:
         session = self.auth.page_user(request, time.time(), admin=False)
         form = await self._form(request, session)
-        quota: int | None = None
         try:
-            if form.get("daily_quota", "").strip():
-                if session.user.role != "admin":
-                    raise IdentityError("daily_quota", "only administrators set quotas")
-                try:
-                    quota = int(form["daily_quota"])
-                except ValueError:
-                    raise IdentityError("daily_quota", "must be a whole number of tokens") from None
+            quota = parse_daily_quota(form.get("daily_quota", ""))
+            if quota is not None and session.user.role != "admin":
+                raise IdentityError("daily_quota", "only administrators set quotas")
             key, record = self.auth.store.create_key(session.user.user_id, form.get("name", ""), quota, time.time())
         except IdentityError as exc:
-            return self._account_view(session, 400, error=f"{exc.field}: {exc.message}")
-        return self._account_view(session, new_key=key, new_key_name=record.name)
+            return await self._account_view(session, 400, error=f"{exc.field}: {exc.message}")
+        return await self._account_view(session, new_key=key, new_key_name=record.name)
 
     def _own_key(self, session: Session, key_id: str) -> None:
         key = self.auth.store.key_by_id(key_id)
@@ -321,8 +387,8 @@ class Pages:
                 raise IdentityError("grace_hours", "must be a number of hours") from None
             key, record = self.auth.store.rotate_key(key_id, grace_h * 3600.0, time.time())
         except IdentityError as exc:
-            return self._account_view(session, 400, error=f"{exc.field}: {exc.message}")
-        return self._account_view(session, new_key=key, new_key_name=record.name)
+            return await self._account_view(session, 400, error=f"{exc.field}: {exc.message}")
+        return await self._account_view(session, new_key=key, new_key_name=record.name)
 
     async def key_revoke(self, request: web.Request) -> web.Response:
         session = self.auth.page_user(request, time.time(), admin=False)
@@ -331,6 +397,12 @@ class Pages:
         self._own_key(session, key_id)
         self.auth.store.revoke_key(key_id, time.time())
         raise web.HTTPSeeOther("/account")
+
+
+def _total(values: Any) -> float | None:
+    """The sum of the known values; None when none is known (unknown, not 0)."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
 
 
 def _utc(ts_s: float) -> str:

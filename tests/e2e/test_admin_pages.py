@@ -1,33 +1,44 @@
-"""The admin pages in a real headless Chromium (Debian's /usr/bin/chromium driven by Playwright).
+"""The admin pages in a real headless Chromium (Debian's /usr/bin/chromium driven by Playwright), and
+the gateway's identity commands as real subprocesses.
 
 One in-process stack (real nats-server, two tiny engine workers, accounting, the gateway on loopback);
-each test walks a page as an operator would and saves a screenshot to ``test-artifacts/`` (set
-LLMGW_SCREENSHOTS_TO_DOCS=1 to refresh the copies in docs/img/).
+each browser test walks a page as an operator would and saves a screenshot to ``test-artifacts/`` (set
+LLMGW_SCREENSHOTS_TO_DOCS=1 to refresh the copies in docs/img/). The subprocess tests run ``llmgw
+gateway`` and ``llmgw admin`` on one data dir, as an operator would on a host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import os
+import re
 import shutil
-from collections.abc import AsyncIterator
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 
+from proto import EnergyReading, EnergySample, encode, subjects
 from services.accounting.service import AccountingConfig, AccountingService
 from services.common import pool_config
 from services.common.bus import connect, ensure_bus
 from services.common.http import serving
+from services.common.load_score import stale_limit_s
 from services.common.nats_server import EmbeddedNatsServer
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.worker import BusWorker, WorkerConfig
 from services.gateway.service import GatewayConfig, GatewayService
-from tests.e2e.procs import REPO
+from tests.e2e.procs import REPO, Followed
 from tests.integration.conftest import wait_for
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -36,8 +47,13 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 
 # Under CI (.ci/run sets LLMGW_CI=1 and installs chromium) a missing browser fails instead of skipping.
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists() and os.environ.get("LLMGW_CI") != "1",
-                                reason="needs Debian's chromium (scripts/install-test-tools.sh installs it)")
+needs_chromium = pytest.mark.skipif(not Path(CHROMIUM).exists() and os.environ.get("LLMGW_CI") != "1",
+                                    reason="needs Debian's chromium (scripts/install-test-tools.sh installs it)")
+PHONE = {"width": 390, "height": 844}
+LAPTOP = {"width": 1200, "height": 800}
+# Days (back from today, UTC) with energy readings for w1 in the costs test, and the kWh of each; the
+# days between (4, 10 and older) have none, so the chart shows "no data" there, not 0.
+ENERGY_KWH = {0: 0.12, 1: 0.31, 2: 0.27, 3: 0.35, 5: 0.22, 6: 0.4, 7: 0.18, 8: 0.29, 9: 0.33}
 
 
 @dataclass
@@ -47,13 +63,15 @@ class Site:
     accounting: AccountingService
     password: str
     page: object  # playwright Page
+    nc: object  # a bus connection of the test's own
+    workers: dict[str, asyncio.Task[None]]
 
 
-async def _shot(page, name: str) -> None:  # type: ignore[no-untyped-def]
+async def _shot(page, name: str, to_docs: bool = True) -> None:  # type: ignore[no-untyped-def]
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
     await page.screenshot(path=str(path), full_page=True)
-    if os.environ.get("LLMGW_SCREENSHOTS_TO_DOCS") == "1":
+    if to_docs and os.environ.get("LLMGW_SCREENSHOTS_TO_DOCS") == "1":
         shutil.copy(path, REPO / "docs" / "img" / f"{name}.png")
 
 
@@ -64,17 +82,19 @@ async def site(nats_server: EmbeddedNatsServer, tiny_model: Path, tmp_path: Path
     async with contextlib.AsyncExitStack() as es:
         tasks: list[asyncio.Task[None]] = []
         ncs = []
-        for name in ("w1", "w2", "accounting", "gateway"):
+        for name in ("w1", "w2", "accounting", "gateway", "test"):
             c = await connect(nats_server.url, name)
             ncs.append(c)
             es.push_async_callback(c.drain)
-        await ensure_bus(ncs[-1])
+        await ensure_bus(ncs[3])
+        workers = {}
         for wid, nc in zip(("w1", "w2"), ncs, strict=False):
             core = EngineCore(EngineConfig(model_path=tiny_model, model_id="tiny", kv_capacity_tokens=4096,
                                            max_concurrency=2, max_pending_requests=8))
             engine = await es.enter_async_context(AsyncEngine(core))
-            tasks.append(asyncio.create_task(BusWorker(nc, engine, WorkerConfig(worker_id=wid,
-                                                                               heartbeat_interval_s=0.2)).run()))
+            workers[wid] = asyncio.create_task(BusWorker(nc, engine, WorkerConfig(worker_id=wid,
+                                                                                  heartbeat_interval_s=0.2)).run())
+            tasks.append(workers[wid])
         accounting = AccountingService(ncs[2], AccountingConfig(db_path=tmp_path / "ledger.duckdb",
                                                                 fetch_timeout_s=0.2))
         tasks.append(asyncio.create_task(accounting.run()))
@@ -95,9 +115,9 @@ async def site(nats_server: EmbeddedNatsServer, tiny_model: Path, tmp_path: Path
         pw = await es.enter_async_context(async_playwright())
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         es.push_async_callback(browser.close)
-        page = await browser.new_page(viewport={"width": 1200, "height": 800})
+        page = await browser.new_page(viewport=LAPTOP)
         assert gateway.bootstrap is not None
-        yield Site(url, gateway, accounting, gateway.bootstrap[0], page)
+        yield Site(url, gateway, accounting, gateway.bootstrap[0], page, ncs[4], workers)
 
 
 async def _sign_in(site: Site) -> None:
@@ -110,16 +130,51 @@ async def _sign_in(site: Site) -> None:
     await page.wait_for_url("**/backends")  # type: ignore[attr-defined]
 
 
+async def _publish_energy(nc, worker: str = "w1") -> int:  # type: ignore[no-untyped-def]
+    """Energy readings for ``worker`` on the days of ENERGY_KWH: one session per day, a counter rising
+    by that day's kWh between two samples an hour apart (today: inside the part of today gone by)."""
+    js = nc.jetstream()
+    now = time.time()
+    midnight = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
+    num = 0
+    for days_ago, kwh in ENERGY_KWH.items():
+        if days_ago == 0:
+            start, end = midnight + (now - midnight) * 0.2, midnight + (now - midnight) * 0.8
+        else:
+            start = midnight - days_ago * 86_400 + 9 * 3600
+            end = start + 3600
+        for seq, (ts_s, counter_mj) in enumerate(((start, 0), (end, round(kwh * 3.6e9))), start=1):
+            reading = EnergyReading(device_id="GPU-0", kind="nvml", method="counter", energy_mj=counter_mj)
+            sample = EnergySample(worker_id=worker, session_id=f"day-{days_ago}", seq=seq, ts_s=ts_s,
+                                  model_id="tiny", readings=[reading])
+            await js.publish(subjects.energy(worker), encode(sample))
+            num += 1
+    return num
+
+
+# Elements sticking out past the viewport's right edge, other than inside a horizontally scrolling
+# wrapper (a wide table or the chart may scroll sideways on a phone; the page itself must not).
+OVERFLOWING = """() => [...document.querySelectorAll('body *')].filter(e => {
+    if (e.closest('.table-wrap, .chart-wrap')) return false;
+    return e.getBoundingClientRect().right > document.documentElement.clientWidth + 1;
+}).map(e => e.tagName.toLowerCase() + (e.id ? '#' + e.id : '') + ' ' + Math.round(e.getBoundingClientRect().right))"""
+
+
+async def _phone_width_problems(page) -> list[str]:  # type: ignore[no-untyped-def]
+    """Why the page is wider than a phone's 390 px (nothing when it fits)."""
+    width = await page.evaluate("document.documentElement.scrollWidth")
+    if width <= PHONE["width"] + 1:
+        return []
+    return [f"{width} px wide", *(await page.evaluate(OVERFLOWING))[:8]]
+
+
+@needs_chromium
 async def test_sign_in_see_backends_then_create_a_key_and_use_it(site: Site) -> None:
     page = site.page
     await _sign_in(site)
     assert await page.locator("tr[data-member=w1]").count() == 1  # type: ignore[attr-defined]
     await page.wait_for_selector("tr[data-member=w2] .load svg.spark", timeout=10_000)  # type: ignore[attr-defined]
     await _shot(page, "admin-backends")
-    await page.set_viewport_size({"width": 390, "height": 844})  # type: ignore[attr-defined]  # a phone
-    assert await page.evaluate("document.documentElement.scrollWidth") <= 390 + 1  # type: ignore[attr-defined]
-    await _shot(page, "admin-backends-phone")
-    await page.set_viewport_size({"width": 1200, "height": 800})  # type: ignore[attr-defined]
 
     await page.click("text=My keys")  # type: ignore[attr-defined]
     await page.fill("input[name=name]", "notebook")  # type: ignore[attr-defined]
@@ -144,6 +199,7 @@ async def test_sign_in_see_backends_then_create_a_key_and_use_it(site: Site) -> 
     assert "/?next=" in page.url  # type: ignore[attr-defined]
 
 
+@needs_chromium
 async def test_editing_a_pool_weight_changes_routing(site: Site) -> None:
     page = site.page
     admin_key = site.gateway.bootstrap[1]  # type: ignore[index]
@@ -176,21 +232,183 @@ async def test_editing_a_pool_weight_changes_routing(site: Site) -> None:
     assert "must be in [0.0, 1.0]" in await error.text_content()
 
 
+@needs_chromium
 async def test_costs_page_fills_after_traffic(site: Site) -> None:
     page = site.page
+    num_samples = await _publish_energy(site.nc)
     client = openai.AsyncOpenAI(base_url=site.url + "/v1", api_key=site.gateway.bootstrap[1],  # type: ignore[index]
                                 max_retries=0)
     for _ in range(3):
         await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
                                              max_tokens=4)
     await wait_for(lambda: site.accounting.stats.usage_ingested >= 3)
+    await wait_for(lambda: site.accounting.stats.energy_ingested >= num_samples)
     await _sign_in(site)
     await page.goto(site.url + "/admin/costs")  # type: ignore[attr-defined]
     row = page.locator("#by-model tr", has_text="tiny")  # type: ignore[attr-defined]
     assert await row.count() == 1
     output_tokens = int((await row.locator("td.num").nth(2).text_content()).replace(",", ""))
     assert output_tokens > 0
-    assert await page.locator("svg.chart").count() == 1  # type: ignore[attr-defined]
+    # the chart: a kWh bar and a $ point for each day with readings, a dashed "no data" box for the others
+    chart = page.locator("svg.chart")  # type: ignore[attr-defined]
+    assert await chart.count() == 1
+    assert await chart.locator("rect.kwh").count() == len(ENERGY_KWH)
+    assert await chart.locator("circle.usd").count() == len(ENERGY_KWH)
+    assert await chart.locator("rect.missing").count() == 30 - len(ENERGY_KWH)
+    assert await chart.locator("polyline.usd").count() >= 1
+    # its table twin: today's row carries today's kWh, a day without readings says so
+    today = dt.datetime.now(dt.UTC).date()
+    cells = page.locator("#daily tr", has_text=today.isoformat()).locator("td")  # type: ignore[attr-defined]
+    assert (await cells.nth(1).text_content()).strip() == f"{ENERGY_KWH[0]:.4f}"
+    no_data_day = (today - dt.timedelta(days=4)).isoformat()
+    no_data = page.locator("#daily tr", has_text=no_data_day).locator("td")  # type: ignore[attr-defined]
+    assert (await no_data.nth(1).text_content()).strip() == "no data"
+    w1 = page.locator("#by-member tr", has_text="w1").locator("td.num")  # type: ignore[attr-defined]
+    assert float((await w1.nth(3).text_content()).strip()) == pytest.approx(sum(ENERGY_KWH.values()), abs=1e-4)
     await _shot(page, "admin-costs")
     await page.goto(site.url + "/admin/users")  # type: ignore[attr-defined]
     await _shot(page, "admin-users")
+
+
+@needs_chromium
+async def test_backends_rows_refresh_live_and_a_silent_member_turns_stale(site: Site) -> None:
+    page = site.page
+    await _sign_in(site)
+    w2 = page.locator("tr[data-member=w2]")  # type: ignore[attr-defined]
+    assert await w2.locator(".stale").count() == 0
+    await page.evaluate("window.notReloaded = true")  # type: ignore[attr-defined]
+    site.workers["w2"].cancel()  # w2's heartbeats stop (after a last one saying "stopped")
+    await asyncio.gather(site.workers["w2"], return_exceptions=True)
+    # stale once its last heartbeat is older than two of its 0.2 s intervals plus slack (docs/routing.md);
+    # the page shows it at its next refresh (every 2 s)
+    limit_s = stale_limit_s(site.gateway.fleet.record("w2").heartbeat, site.gateway.stale_after_s)
+    await page.wait_for_selector("tr[data-member=w2] .stale", timeout=(limit_s + 2 + 3) * 1000)  # type: ignore[attr-defined]
+    assert await page.evaluate("window.notReloaded === true")  # type: ignore[attr-defined]  # rows swapped in place
+    age_s = float((await w2.locator("td.num").nth(4).text_content()).removesuffix(" s").replace(",", ""))
+    assert age_s >= limit_s - 0.05  # shown to 0.1 s
+    assert await page.locator("tr[data-member=w1] .stale").count() == 0  # type: ignore[attr-defined]  # still beating
+
+
+@needs_chromium
+async def test_every_page_fits_a_phone_screen(site: Site) -> None:
+    page = site.page
+    await page.set_viewport_size(PHONE)  # type: ignore[attr-defined]
+    await page.goto(site.url + "/")  # type: ignore[attr-defined]
+    problems = {"sign-in": await _phone_width_problems(page)}
+    await _shot(page, "phone-signin", to_docs=False)
+    await page.fill("#name", "admin")  # type: ignore[attr-defined]
+    await page.fill("#password", site.password)  # type: ignore[attr-defined]
+    await page.click("button[type=submit]")  # type: ignore[attr-defined]
+    await page.wait_for_url("**/backends")  # type: ignore[attr-defined]
+    await page.wait_for_selector("tr[data-member=w2] .load svg.spark", timeout=10_000)  # type: ignore[attr-defined]
+    problems["backends"] = await _phone_width_problems(page)
+    await _shot(page, "admin-backends-phone")
+    for name, path in (("config", "/admin/config/page"), ("costs", "/admin/costs"), ("users", "/admin/users"),
+                       ("account", "/account")):
+        await page.goto(site.url + path)  # type: ignore[attr-defined]
+        problems[name] = await _phone_width_problems(page)
+        await _shot(page, f"phone-{name}", to_docs=False)
+    assert {name: why for name, why in problems.items() if why} == {}
+    assert len(problems) == 6
+
+
+# ---- the identity commands as subprocesses ------------------------------------------------------------
+
+GATEWAY_READY = "llmgw gateway ready: listening on "
+PASSWORD = "a-long-password-1"
+
+
+def _llmgw(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "services.common.cli", *args], cwd=REPO, input=stdin,
+                          capture_output=True, text=True, timeout=60)
+
+
+@contextlib.contextmanager
+def _gateway(nats_url: str, data: Path) -> Iterator[tuple[str, Followed]]:
+    """``llmgw gateway`` on ``data`` until the block ends (then Ctrl-C, and it must exit cleanly)."""
+    # Buffered stdout: print() then writes a line in one piece, never split by a log line on stderr
+    # (unbuffered, "…:36821" and a log line's "2026-…" can end up on one line of the merged output).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    gw = Followed([sys.executable, "-m", "services.common.cli", "gateway", "--nats", nats_url, "--port", "0",
+                   "--data-dir", str(data), "--gateway-id", "gw-e2e"], marker=GATEWAY_READY, env=env)
+    try:
+        yield gw.wait_ready(60).split(GATEWAY_READY, 1)[1].split()[0], gw
+    finally:
+        gw.proc.send_signal(signal.SIGINT)
+        try:
+            gw.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            gw.proc.kill()
+            raise
+        gw.reader.join(5)
+    assert gw.proc.returncode == 0, gw.output[-3000:]
+
+
+async def _signed_in(http: aiohttp.ClientSession, url: str, name: str, password: str) -> tuple[int, str]:
+    """POST the sign-in form as a browser would; (status, Location). The session cookie stays in ``http``."""
+    async with http.get(url + "/") as r:
+        csrf = re.search(r'name="csrf" value="([^"]+)"', await r.text()).group(1)  # type: ignore[union-attr]
+    async with http.post(url + "/login", data={"csrf": csrf, "name": name, "password": password},
+                         allow_redirects=False) as r:
+        return r.status, r.headers.get("Location", "")
+
+
+def _jar() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))  # unsafe: cookies for 127.0.0.1
+
+
+async def test_a_first_start_prints_the_bootstrap_admin_once_and_a_restart_does_not(
+        nats_server: EmbeddedNatsServer, tmp_path: Path) -> None:
+    data = tmp_path / "gw"
+    with _gateway(nats_server.url, data) as (url, first):
+        line = first.line_with("first start")
+        password = re.search(r"\(password (\S+)\)", line).group(1)  # type: ignore[union-attr]
+        key = re.search(r"API key (sk-\S+);", line).group(1)  # type: ignore[union-attr]
+        async with _jar() as http:
+            assert await _signed_in(http, url, "admin", password) == (303, "/backends")
+    assert sum("first start" in ln for ln in first.lines) == 1
+    # while it is stopped, an operator sets the bootstrap key's quota from the shell
+    listed = _llmgw("admin", "list-keys", "--data-dir", str(data))
+    assert listed.returncode == 0, listed.stderr
+    key_id, user, name = listed.stdout.split("\t")[:3]
+    assert (user, name) == ("admin", "bootstrap")
+    quota = _llmgw("admin", "set-quota", key_id, "5000", "--data-dir", str(data))
+    assert quota.returncode == 0 and "set to 5,000 tokens" in quota.stdout, quota.stderr
+
+    with _gateway(nats_server.url, data) as (url, second):
+        async with _jar() as http:
+            assert await _signed_in(http, url, "admin", password) == (303, "/backends")  # the same admin
+            async with http.get(url + "/admin/users") as r:
+                users_page = await r.text()
+        row = re.search(rf'data-key-id="{key_id}".*?</tr>', users_page, re.S)
+        assert row and 'value="5000"' in row.group(0)  # the quota set from the shell, read at start
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http, \
+                http.get(url + "/backends", headers={"Accept": "application/json"}) as r:
+            assert r.status == 200  # the key printed once still works
+    assert not any("first start" in ln for ln in second.lines)  # the same data dir: nothing printed again
+
+
+async def test_llmgw_admin_create_user_then_that_user_signs_in(nats_server: EmbeddedNatsServer,
+                                                                tmp_path: Path) -> None:
+    data = tmp_path / "gw"
+    made = _llmgw("admin", "create-user", "alice", "--role", "user", "--password-stdin", "--data-dir", str(data),
+                  stdin=PASSWORD + "\n")
+    assert made.returncode == 0 and "created user 'alice'" in made.stdout, made.stderr
+    again = _llmgw("admin", "create-user", "alice", "--password-stdin", "--data-dir", str(data), stdin=PASSWORD + "\n")
+    assert again.returncode == 2 and "exists already" in again.stderr
+    short = _llmgw("admin", "create-user", "bob", "--password-stdin", "--data-dir", str(data), stdin="short\n")
+    assert short.returncode == 2 and "at least 10 characters" in short.stderr
+    with _gateway(nats_server.url, data) as (url, gw):
+        assert not any("first start" in ln for ln in gw.lines)  # a user exists: no bootstrap admin
+        async with _jar() as http:
+            assert await _signed_in(http, url, "alice", PASSWORD) == (303, "/account")
+            async with http.get(url + "/account") as r:
+                assert r.status == 200 and "alice (user)" in await r.text()
+        async with _jar() as http:
+            assert (await _signed_in(http, url, "alice", "not-her-password"))[0] == 401
+        # made while the gateway runs (SQLite, shared with it): signs in at once, as an admin
+        made = _llmgw("admin", "create-user", "carol", "--role", "admin", "--password-stdin", "--data-dir",
+                      str(data), stdin=PASSWORD + "\n")
+        assert made.returncode == 0, made.stderr
+        async with _jar() as http:
+            assert await _signed_in(http, url, "carol", PASSWORD) == (303, "/backends")

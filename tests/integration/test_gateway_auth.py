@@ -5,19 +5,24 @@ The browser flows are in tests/e2e/test_admin_pages.py; these check the rules ro
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 
 import aiohttp
 import msgspec
 import openai
 import pytest
 
-from proto import subjects
+from proto import SlotHeartbeat, encode, subjects
+from services.common import pool_config
+from services.common.http import serving
 from services.gateway.identity import hash_password, key_digest
-from tests.integration.conftest import Stack
+from services.gateway.service import GatewayConfig, GatewayService
+from tests.integration.conftest import Stack, wait_for
 
 ADMIN_PAGES = ["/backends", "/admin/config/page", "/admin/costs", "/admin/users"]
-ADMIN_POSTS = ["/admin/config/page", "/admin/users"]
+ADMIN_POSTS = ["/admin/config/page", "/admin/users", "/admin/keys/key_0123456789abcdef/quota"]
 ADMIN_JSON = [("GET", "/backends"), ("GET", "/admin/costs.json"), ("POST", "/admin/routing/explain")]
 PASSWORD = "a-long-password-1"
 
@@ -65,19 +70,37 @@ async def test_admin_routes_need_an_admin(stack: Stack) -> None:
             async with http.request(method, stack.base_url + path, json={}) as r:
                 assert r.status == 403, path
         async with http.get(stack.base_url + "/account") as r:
-            assert r.status == 200 and "My keys" in await r.text()
+            page = await r.text()
+            assert r.status == 200 and "My keys" in page
+        # a user may not set a quota, not even on their own key, and not with a valid CSRF token
+        uma = stack.gateway.identity.password_hash("uma")[0]  # type: ignore[index]
+        _, own = stack.gateway.identity.create_key(uma.user_id, "mine", None, time.time())
+        async with http.post(stack.base_url + f"/admin/keys/{own.key_id}/quota",
+                             data={"csrf": _csrf(page), "daily_quota": "1000000"}, allow_redirects=False) as r:
+            assert r.status == 403 and (await r.json())["error"]["code"] == "admin_required"
+        assert stack.gateway.identity.key_by_id(own.key_id).daily_quota is None  # type: ignore[union-attr]
 
 
 async def test_every_form_needs_its_csrf_token(stack: Stack) -> None:
+    store = stack.gateway.identity
+    key_id = store.lookup_key(key_digest(stack.api_key), time.time()).key_id  # type: ignore[union-attr]
     async with _jar() as http:
         assert (await _login(http, stack.base_url, "admin", stack.gateway.bootstrap[0])).status == 303  # type: ignore[index]
-        for path in ["/account/keys", "/admin/config/page", "/admin/users", "/logout"]:
-            async with http.post(stack.base_url + path, data={"name": "x"}, allow_redirects=False) as r:
+        for path in ["/account/keys", "/admin/config/page", "/admin/users", "/logout", f"/account/keys/{key_id}/rotate",
+                     f"/account/keys/{key_id}/revoke", f"/admin/keys/{key_id}/quota"]:
+            form = {"name": "x", "grace_hours": "0", "daily_quota": "5"}
+            async with http.post(stack.base_url + path, data=form, allow_redirects=False) as r:
                 assert r.status == 403, path
                 assert (await r.json())["error"]["code"] == "csrf_failed"
-            async with http.post(stack.base_url + path, data={"name": "x", "csrf": "forged"},
-                                 allow_redirects=False) as r:
+            async with http.post(stack.base_url + path, data={**form, "csrf": "forged"}, allow_redirects=False) as r:
                 assert r.status == 403, path
+                assert (await r.json())["error"]["code"] == "csrf_failed"
+        async with http.get(stack.base_url + "/account") as r:
+            assert r.status == 200  # still signed in: the refused /logout did not end the session
+    # none of the refused posts changed the key: not rotated, not revoked, no quota
+    key = store.key_by_id(key_id)
+    assert key is not None and key.is_valid(time.time()) and key.replaced_by is None and key.daily_quota is None
+    assert [k.key_id for k in store.keys_of(key.user_id)] == [key_id]
     async with _jar() as http:  # the sign-in form too: a post without the form's token is refused
         async with http.post(stack.base_url + "/login", data={"name": "admin", "password": "x"}) as r:
             assert r.status == 403
@@ -205,3 +228,149 @@ async def test_a_saved_config_is_applied_here_and_by_every_other_gateway(stack: 
             assert reply.choices[0].finish_reason in ("stop", "length")
     finally:
         await other_nc.drain()
+
+
+def _new_key(page: str) -> str:
+    match = re.search(r'<code class="secret" id="new-key">(sk-[^<]+)</code>', page)
+    assert match, page[:2000]
+    return match.group(1)
+
+
+def _row(page: str, attr: str, value: str) -> str:
+    match = re.search(rf'<tr[^>]*{attr}="{re.escape(value)}"[^>]*>(.*?)</tr>', page, re.S)
+    assert match, f"no row {attr}={value}"
+    return match.group(1)
+
+
+async def _chat(key: str, stack_url: str) -> openai.types.chat.ChatCompletion:
+    client = openai.AsyncOpenAI(base_url=stack_url + "/v1", api_key=key, max_retries=0)
+    return await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4)
+
+
+async def test_an_admin_sets_a_users_key_quota_on_the_users_page_and_the_key_is_held_to_it(stack: Stack) -> None:
+    store = stack.gateway.identity
+    user = store.create_user("quinn", hash_password(PASSWORD), "user")
+    key, record = store.create_key(user.user_id, "batch", None, time.time())
+    quota_url = stack.base_url + f"/admin/keys/{record.key_id}/quota"
+    async with _jar() as http:
+        assert (await _login(http, stack.base_url, "admin", stack.gateway.bootstrap[0])).status == 303  # type: ignore[index]
+        async with http.get(stack.base_url + "/admin/users") as r:
+            page = await r.text()
+        assert "quinn" in _row(page, "data-key-id", record.key_id)
+        assert '<tr><td>quinn</td><td>user</td><td class="num">1</td></tr>' in page  # one usable key
+        csrf = _csrf(page)
+        for bad, reason in (("-3", "must not be negative"), ("1.5", "whole number"), ("0", "at least 1 token")):
+            async with http.post(quota_url, data={"csrf": csrf, "daily_quota": bad}) as r:
+                page = await r.text()
+                assert r.status == 400, bad
+            row = _row(page, "data-key-id", record.key_id)
+            assert f'id="err-quota-{record.key_id}"' in row and reason in row and 'aria-invalid="true"' in row
+            assert f'value="{bad}"' in row  # the refused text stays in its field, to be corrected
+            assert store.key_by_id(record.key_id).daily_quota is None  # type: ignore[union-attr]
+        async with http.post(quota_url, data={"csrf": csrf, "daily_quota": "12"}, allow_redirects=False) as r:
+            assert r.status == 303 and r.headers["Location"].startswith(f"/admin/users?quota_saved={record.key_id}")
+        async with http.get(stack.base_url + r.headers["Location"]) as r:
+            page = await r.text()
+        assert "set to 12 tokens" in page and 'value="12"' in _row(page, "data-key-id", record.key_id)
+        assert store.key_by_id(record.key_id).daily_quota == 12  # type: ignore[union-attr]
+
+        reply = await _chat(key, stack.base_url)  # 0 of 12 used: admitted, and it spends them
+        assert reply.usage is not None and reply.usage.total_tokens >= 12
+        with pytest.raises(openai.RateLimitError) as info:
+            await _chat(key, stack.base_url)
+        assert info.value.code == "quota_exceeded"
+        assert 1 <= int(info.value.response.headers["Retry-After"]) <= 86_400  # until 00:00 UTC
+
+        async with http.post(quota_url, data={"csrf": csrf, "daily_quota": ""}, allow_redirects=False) as r:
+            assert r.status == 303  # empty: no quota
+        assert store.key_by_id(record.key_id).daily_quota is None  # type: ignore[union-attr]
+        assert (await _chat(key, stack.base_url)).usage is not None  # served again
+        async with http.post(stack.base_url + "/admin/keys/key_nope/quota",
+                             data={"csrf": csrf, "daily_quota": "5"}) as r:
+            assert r.status == 404
+
+
+async def test_rotating_a_key_on_the_account_page_keeps_the_old_key_serving_for_the_grace_window(
+        stack: Stack) -> None:
+    _add_user(stack, "rita")
+    async with _jar() as http:
+        assert (await _login(http, stack.base_url, "rita", PASSWORD)).status == 303
+        async with http.get(stack.base_url + "/account") as r:
+            csrf = _csrf(await r.text())
+        async with http.post(stack.base_url + "/account/keys", data={"csrf": csrf, "name": "laptop"}) as r:
+            first = _new_key(await r.text())
+        first_id = stack.gateway.identity.lookup_key(key_digest(first), time.time()).key_id  # type: ignore[union-attr]
+        async with http.post(stack.base_url + f"/account/keys/{first_id}/rotate",
+                             data={"csrf": csrf, "grace_hours": "1"}) as r:
+            page = await r.text()
+            assert r.status == 200
+        second = _new_key(page)
+        assert second != first
+        assert "rotated: works until" in _row(page, "data-key-id", first_id)
+        # inside the grace window both keys serve
+        assert (await _chat(first, stack.base_url)).choices[0].finish_reason in ("stop", "length")
+        assert (await _chat(second, stack.base_url)).choices[0].finish_reason in ("stop", "length")
+        # a rotation with no grace ends the replaced key at once (so the window above is what kept it alive)
+        second_id = stack.gateway.identity.lookup_key(key_digest(second), time.time()).key_id  # type: ignore[union-attr]
+        async with http.post(stack.base_url + f"/account/keys/{second_id}/rotate",
+                             data={"csrf": csrf, "grace_hours": "0"}) as r:
+            third = _new_key(await r.text())
+        with pytest.raises(openai.AuthenticationError):
+            await _chat(second, stack.base_url)
+        assert (await _chat(third, stack.base_url)).usage is not None
+        assert (await _chat(first, stack.base_url)).usage is not None  # still inside its own hour
+
+
+async def test_a_users_page_shows_their_own_30_day_tokens_from_the_ledger(stack: Stack) -> None:
+    store = stack.gateway.identity
+    user = store.create_user("sam", hash_password(PASSWORD), "user")
+    key, record = store.create_key(user.user_id, "notebook", None, time.time())
+    _, idle = store.create_key(user.user_id, "spare", None, time.time())
+    mine = await _chat(key, stack.base_url)
+    await _chat(stack.api_key, stack.base_url)  # the admin's traffic: not sam's
+    await wait_for(lambda: stack.accounting.stats.usage_ingested >= 2)
+    async with _jar() as http:
+        assert (await _login(http, stack.base_url, "sam", PASSWORD)).status == 303
+        async with http.get(stack.base_url + "/account") as r:
+            page = await r.text()
+    assert mine.usage is not None
+    expected = mine.usage.prompt_tokens + mine.usage.completion_tokens
+    row = _row(page, "data-key-id", record.key_id)
+    assert re.search(rf'data-field="tokens-30d">{expected:,}<', row), row
+    assert re.search(r'data-field="tokens-30d">0<', _row(page, "data-key-id", idle.key_id))
+    assert re.search(rf'id="own-usage">.*?data-field="tokens">{expected:,}<', page, re.S)  # sam's total only
+    admin_key_id = store.lookup_key(key_digest(stack.api_key), time.time()).key_id  # type: ignore[union-attr]
+    assert admin_key_id not in page
+
+
+async def test_the_backends_page_says_no_signal_for_a_stock_engine_and_stale_for_old_data(  # type: ignore[no-untyped-def]
+        nc, tmp_path) -> None:
+    pools = pool_config.parse({"model_pools": {"mix": {"members": [
+        {"model_id": "m", "backend": "http://127.0.0.1:9/v1", "id": "stock1"},  # telemetry: no lane figures
+        {"model_id": "m", "backend": "bus:old1"},  # one heartbeat, then silence
+        {"model_id": "m", "backend": "http://127.0.0.1:10/v1", "id": "silent"}]}}})  # never heard from
+    gateway = GatewayService(nc, GatewayConfig(gateway_id="gwb", port=0, data_dir=tmp_path, stale_after_s=0.5), pools)
+
+    def beat(worker: str, seq: int, **kw) -> bytes:  # type: ignore[no-untyped-def]
+        return encode(SlotHeartbeat(worker_id=worker, session_id="s", seq=seq, ts_s=time.time(), model_id="m", **kw))
+
+    async with gateway.running(), serving(gateway.app(), "127.0.0.1", 0) as url, _jar() as http:
+        await nc.publish(subjects.heartbeat("old1"), beat("old1", 1, lanes=2, running=1, waiting=0))
+        await nc.publish(subjects.heartbeat("stock1"), beat("stock1", 1, engine_kind="stock", backend="http"))
+        await wait_for(lambda: gateway.fleet.record("old1").heartbeat is not None)
+        await asyncio.sleep(0.5 + 0.1)  # old1 is past stale_after_s now
+        await nc.publish(subjects.heartbeat("stock1"), beat("stock1", 2, engine_kind="stock", backend="http"))
+        await wait_for(lambda: getattr(gateway.fleet.record("stock1").heartbeat, "seq", 0) == 2)
+        assert (await _login(http, url, "admin", gateway.bootstrap[0])).status == 303  # type: ignore[index]
+        async with http.get(url + "/backends", headers={"Accept": "text/html"}) as r:
+            page = await r.text()
+    stock, old, silent = (_row(page, "data-member", m) for m in ("stock1", "old1", "silent"))
+    assert 'class="nosignal">no signal' in stock and "stale" not in stock
+    assert 'class="stale">stale' in old and "no signal" not in old
+    assert re.search(r'<td class="load">\d\.\d\d', old)  # lane figures: a load score (1 of 2 lanes busy)
+    age_s = float(re.search(r'<td class="num">([\d.]+) s</td>', old).group(1))  # type: ignore[union-attr]
+    assert age_s >= 0.5  # older than stale_after_s: that is what "stale" says
+    # never heard from: nothing to go stale (routing scores it by its open requests), age unknown
+    assert 'class="nosignal">no signal' in silent and "stale" not in silent
+    assert '<td class="num">\u2013</td>' in silent

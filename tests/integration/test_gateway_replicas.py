@@ -96,3 +96,19 @@ async def test_a_gateway_that_does_not_know_a_key_lets_one_that_does_answer(  # 
         assert gw1.identity.lookup_key(key_digest(key), time.time()) is None
         for _ in range(5):  # gw1 answers "no" later than gw2 answers "yes", every time
             assert (await auth_check(nc, key)).get("key_id") == record.key_id
+
+
+async def test_a_change_made_with_llmgw_admin_reaches_the_running_gateways(  # type: ignore[no-untyped-def]
+        nats_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.gateway import identity_sync
+    from services.gateway.identity import IdentityStore
+    monkeypatch.setattr(identity_sync, "RESYNC_S", 0.1)
+    async with gateway(nats_server.url, tmp_path / "gw1", "gw1") as gw1, \
+            gateway(nats_server.url, tmp_path / "gw2", "gw2") as gw2:
+        assert gw1.bootstrap is not None
+        key_id = gw1.identity.keys_of(None)[0].key_id
+        shell = IdentityStore(tmp_path / "gw1" / "identity")  # what `llmgw admin set-quota` opens
+        shell.set_quota(key_id, 777)
+        shell.close()
+        for g in (gw1, gw2):
+            await wait_for(lambda g=g: g.identity.key_by_id(key_id).daily_quota == 777, timeout_s=5)  # type: ignore[misc,union-attr]

@@ -1,10 +1,10 @@
-"""The Config page's form ↔ pools file mapping, and the costs chart. Pure."""
+"""The Config page's form ↔ pools file mapping. Pure."""
 
 from __future__ import annotations
 
 from services.common import pool_config
 from services.common.runtime import ConfigError
-from services.gateway import charts, config_form
+from services.gateway import config_form
 
 CURRENT = pool_config.to_dict(pool_config.parse({
     "model_pools": {"tiny": {"members": [{"model_id": "tiny", "backend": "bus:w1", "capacity_weight": 4},
@@ -80,9 +80,3 @@ def test_errors_land_on_the_field_that_caused_them() -> None:
     form["pool.0.member.0.capacity_weight"] = "lots"
     assert config_form.from_form(form, CURRENT).errors == {"pool.0.member.0.capacity_weight": "must be a number"}
 
-
-def test_the_daily_chart_shows_missing_days_as_unknown_not_zero() -> None:
-    svg = charts.daily_chart_svg([("2026-11-01", 0.5, 0.06), ("2026-11-02", None, None), ("2026-11-03", 1.0, 0.12)])
-    assert svg.startswith("<svg") and svg.endswith("</svg>")
-    assert "2026-11-02: no data" in svg and "2026-11-03: 1.0000 kWh, $0.1200" in svg
-    assert charts.sparkline_svg([0.1]) == "" and "polyline" in charts.sparkline_svg([0.1, 0.9])
