@@ -178,6 +178,9 @@ class SlotHeartbeat(_Msg):
     energy_today_wh: float | None = None
     heartbeat_interval_s: float | None = None
     admitted_by_gateway: dict[str, int] = {}
+    # Appended (a reader older than it ignores the key; a message older than it decodes as None): the
+    # engine's own last-30-days figure (NInfer /usage ``energy.rolling_30d.wh``), None where not reported.
+    energy_30d_wh: float | None = None
 
 
 class EnergyReading(_Msg):

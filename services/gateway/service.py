@@ -312,7 +312,7 @@ class GatewayService:
                 log.warning("routing tables not saved: %s", exc)
 
     async def _watch_config(self) -> None:
-        """Reload the pools file when it changes; a broken file keeps the old config and says why."""
+        """Reload the pools file when it changes (and tell the bus); a broken file keeps the old config and says why."""
         while True:
             await asyncio.sleep(self.config.config_poll_s)
             mtime = _mtime(self.config_path)
@@ -320,10 +320,18 @@ class GatewayService:
                 continue
             self._config_mtime = mtime
             try:
-                self._use_file_config(await asyncio.to_thread(pool_config.load, self.config_path))
-                log.info("reloaded %s: %d pool(s)", self.config_path, len(self.file_config.pools))
+                parsed = await asyncio.to_thread(pool_config.load, self.config_path)
             except ConfigError as exc:
                 log.error("kept the previous config: %s", exc)
+                continue
+            if parsed == self.file_config:
+                continue  # rewritten with what we have (another gateway saved it into a shared file)
+            self._use_file_config(parsed)
+            log.info("reloaded %s: %d pool(s)", self.config_path, len(self.file_config.pools))
+            # as for a Config page save: telemetry and the other gateways follow the edited file too
+            with contextlib.suppress(Exception):
+                await self.nc.publish(subjects.CONFIG_CHANGED, pool_config.change_message(
+                    self.config.gateway_id, pool_config.to_dict(parsed)))
 
     # ---- usage records ----------------------------------------------------------------------------
 

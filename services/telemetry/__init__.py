@@ -7,8 +7,8 @@ OpenAI server reachable on ``/v1/models`` or ``/health``) and turned into a norm
 not give. Engine-reported energy goes to the ENERGY stream.
 
 Modules: ``promparse`` (Prometheus text parser) and ``normalize`` (bodies → Reading) and ``probe`` (health,
-heartbeat and energy-sample building) and ``discovery`` and ``views`` are pure; ``scraper`` (HTTP) and
-``service`` (loops, bus, telemetry's own /metrics) are the I/O shell.
+heartbeat and energy-sample building) and ``schedule`` (when each member's scrape fires) and ``discovery`` and
+``views`` are pure; ``scraper`` (HTTP) and ``service`` (loops, bus, telemetry's own /metrics) are the I/O shell.
 
 Errors: ``promparse.PromParseError`` (a ``/metrics`` line that is not Prometheus text) and
 ``normalize.MalformedBody`` (a body that cannot be what its endpoint should answer) are raised by the pure

@@ -12,7 +12,7 @@ from services.common import pool_config
 from services.common.bus import bus_session, nats_url_from_env
 from services.common.http import serving
 from services.common.runtime import ConfigError, announce, data_dir, run_async_main, setup_logging
-from services.telemetry import discovery
+from services.telemetry import discovery, schedule
 from services.telemetry.probe import Member
 from services.telemetry.service import TelemetryConfig, TelemetryService
 
@@ -26,7 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="probe these ports with GET /v1/models and watch what answers (repeatable)")
     parser.add_argument("--lanes", action="append", default=[], metavar="ID=N",
                         help="a vLLM member's max_num_seqs, which vLLM does not export (repeatable)")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between scrapes (>= 0.1)")
+    parser.add_argument("--interval", type=float, default=None,
+                        help="seconds between scrapes (>= 0.1; default: the pools file's metrics.poll_interval, "
+                             "which then follows the file's changes, else 1.0)")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds one scrape may take")
     parser.add_argument("--energy-interval", type=float, default=5.0,
                         help="seconds between energy samples per member (engine-reported energy)")
@@ -72,25 +74,30 @@ def build_config(args: argparse.Namespace) -> TelemetryConfig:
             raise ConfigError("member", f"{member_id}={url!r} must look like ID=http://host:port")
         members.append(Member(member_id, url.rstrip("/"), lanes.get(member_id)))
     from_pools = set()
+    interval_s = schedule.DEFAULT_INTERVAL_S  # the pools file's metrics.poll_interval default, when no file
     # the gateway's pools file: --config, else the one its Config page saves in the data dir
     pools_path = Path(args.config) if args.config else data_dir(args.data_dir) / "pools.json"
     if args.config or pools_path.exists():
         known = {m.member_id for m in members}
-        for m in pool_config.load(pools_path).http_members():
+        pools = pool_config.load(pools_path)
+        interval_s = pools.metrics.poll_interval  # pool_config bounds it to 0.1..60 s
+        for m in pools.http_members():
             if m.member_id not in known:
                 members.append(Member(m.member_id, m.backend.rstrip("/"), lanes.get(m.member_id)))
                 from_pools.add(m.member_id)
     unknown = sorted(set(lanes) - {m.member_id for m in members})
     if unknown:
         raise ConfigError("lanes", f"no member {unknown[0]!r}")
-    if args.interval < 0.1:
-        raise ConfigError("interval", "must be >= 0.1 seconds")
+    if args.interval is not None:  # the operator's flag wins over the pools file, now and at its changes
+        if not args.interval >= schedule.MIN_INTERVAL_S:
+            raise ConfigError("interval", f"must be >= {schedule.MIN_INTERVAL_S:g} seconds")
+        if args.energy_interval < args.interval:
+            raise ConfigError("energy-interval", "must be >= --interval")
+        interval_s = args.interval
     if args.timeout <= 0:
         raise ConfigError("timeout", "must be > 0 seconds")
-    if args.energy_interval < args.interval:
-        raise ConfigError("energy-interval", "must be >= --interval")
-    return TelemetryConfig(members=tuple(members), interval_s=args.interval, timeout_s=args.timeout,
-                           energy_interval_s=args.energy_interval,
+    return TelemetryConfig(members=tuple(members), interval_s=interval_s, is_interval_from_pools=args.interval is None,
+                           timeout_s=args.timeout, energy_interval_s=args.energy_interval,
                            discover=tuple(discovery.parse_range(s) for s in args.discover),
                            from_pools=frozenset(from_pools))
 
@@ -102,9 +109,10 @@ async def run(args: argparse.Namespace) -> None:
         service = TelemetryService(nc, config)
         async with serving(service.app(), args.host, port) as url, asyncio.TaskGroup() as tasks:
             tasks.create_task(service.run(), name="telemetry")
+            source = " (the pools file's metrics.poll_interval)" if config.is_interval_from_pools else ""
+            discovering = f", discovering {len(config.discover)} range(s)" if config.discover else ""
             announce("telemetry", f"{url} watching {len(config.members)} HTTP member(s) every "
-                                  f"{config.interval_s:g}s" + (f", discovering {len(config.discover)} range(s)"
-                                                               if config.discover else ""))
+                                  f"{config.interval_s:g}s{source}{discovering}")
 
 
 def main(argv: list[str] | None = None) -> None:

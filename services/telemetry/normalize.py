@@ -32,7 +32,8 @@ class Reading:
     """What one scrape learned about a member; the SlotHeartbeat fields it could fill, plus energy.
 
     ``energy_wh_total`` is the sum of the engine's own per-day Wh figures (NInfer ``/usage``
-    ``energy.daily``), None when it reported no day with a figure.
+    ``energy.daily``), None when it reported no day with a figure. ``energy_30d_wh`` is the engine's own
+    ``energy.rolling_30d.wh`` as it reports it (None when absent or not a number, never 0).
     """
 
     engine_kind: EngineKind
@@ -54,6 +55,7 @@ class Reading:
     decode_tok_per_s: float | None = None
     energy_today_wh: float | None = None
     energy_wh_total: float | None = None
+    energy_30d_wh: float | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,12 @@ def _float(value: Any) -> float | None:
         return None
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+def _wh(value: Any) -> float | None:
+    """An energy figure: a finite number of Wh, >= 0 (anything else is unknown, never 0)."""
+    wh = _float(value)
+    return wh if wh is not None and wh >= 0 else None
 
 
 def _ratio(value: float | None) -> float | None:
@@ -165,6 +173,7 @@ def ninfer_reading(slots: Any, usage: Any | None) -> Reading:
         prefill_tok_per_s=_float(_get(usage, "throughput", "prefill_tok_per_s")),
         decode_tok_per_s=_float(_get(usage, "throughput", "decode_tok_per_s")),
         energy_today_wh=_float(_get(usage, "energy", "today", "wh")),
+        energy_30d_wh=_wh(_get(usage, "energy", "rolling_30d", "wh")),
         energy_wh_total=daily_wh_total(usage),
     )
 

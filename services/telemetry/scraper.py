@@ -15,6 +15,7 @@ stock 1. ``/v1/models`` (model id, vLLM's ``max_model_len``) is read at detectio
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,15 +98,16 @@ class Scraper:
         except PromParseError as exc:
             raise ScrapeError(member.member_id, "/metrics", str(exc)) from None
 
-    async def _optional(self, coro: Any) -> Any:
-        """An endpoint whose absence costs fields, not the scrape."""
+    async def _optional(self, fetch: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """An endpoint whose absence costs fields, not the scrape. Takes the fetch and its arguments, not a
+        coroutine: one made before a cancelled gather started this would be reported as never awaited."""
         try:
-            return await coro
+            return await fetch(*args)
         except ScrapeError:
             return None
 
     async def _models(self, member: Member) -> n.ModelsInfo | None:
-        body = await self._optional(self._json(member, "/v1/models"))
+        body = await self._optional(self._json, member, "/v1/models")
         try:
             return None if body is None else n.models_info(body)
         except n.MalformedBody:
@@ -125,14 +127,13 @@ class Scraper:
             return await self._detect(member)
         if known.kind == "ninfer":
             slots, usage = await asyncio.gather(self._json(member, "/slots"),
-                                                self._optional(self._json(member, "/usage")))
+                                                self._optional(self._json, member, "/usage"))
             return n.with_model(self._checked(member, n.ninfer_reading, slots, usage), known.models), known
         if known.kind == "llamacpp":
             slots = await self._json(member, "/slots") if known.has_slots else None
             metrics = None
             if known.has_metrics:
-                fetch = self._metrics(member)
-                metrics = await (self._optional(fetch) if known.has_slots else fetch)
+                metrics = await (self._optional(self._metrics, member) if known.has_slots else self._metrics(member))
             return self._checked(member, n.llamacpp_reading, slots, metrics, known.models), known
         if known.kind == "vllm":
             return self._checked(member, n.vllm_reading, await self._metrics(member), known.models, member.lanes), known
@@ -146,13 +147,13 @@ class Scraper:
         return n.stock_reading(models), known
 
     async def _detect(self, member: Member) -> tuple[n.Reading, Knowledge]:
-        slots = await self._optional(self._json(member, "/slots"))
+        slots = await self._optional(self._json, member, "/slots")
         if n.is_ninfer_slots(slots):
-            usage = await self._optional(self._json(member, "/usage"))
+            usage = await self._optional(self._json, member, "/usage")
             models = await self._models(member) or n.ModelsInfo()
             reading = n.with_model(self._checked(member, n.ninfer_reading, slots, usage), models)
             return reading, Knowledge("ninfer", models)
-        metrics = await self._optional(self._metrics(member))
+        metrics = await self._optional(self._metrics, member)
         kind = n.metrics_kind(metrics) if metrics is not None else None
         models = await self._models(member)
         has_models = models is not None

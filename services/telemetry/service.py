@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -30,7 +29,7 @@ from proto import SlotHeartbeat, encode, subjects
 from services.common import pool_config
 from services.common.http import error_middleware
 from services.common.runtime import ConfigError, new_session_id, raise_if_cancelling
-from services.telemetry import discovery, views
+from services.telemetry import discovery, schedule, views
 from services.telemetry.normalize import MalformedBody, Reading, models_info
 from services.telemetry.probe import Health, Member, down_heartbeat, energy_sample, heartbeat
 from services.telemetry.scraper import Knowledge, ScrapeError, Scraper
@@ -45,7 +44,10 @@ PUBLISH_TIMEOUT_S = 2.0
 @dataclass(frozen=True)
 class TelemetryConfig:
     members: tuple[Member, ...]
-    interval_s: float = 1.0
+    interval_s: float = schedule.DEFAULT_INTERVAL_S  # the interval at start (see is_interval_from_pools)
+    # True when interval_s is the pools file's metrics.poll_interval (no --interval was given): a saved
+    # pools file's new poll_interval then applies at once. False: the operator's flag wins over any file.
+    is_interval_from_pools: bool = False
     timeout_s: float = 2.0  # one scrape (detection included) must finish within this
     energy_interval_s: float = 5.0
     discover: tuple[discovery.PortRange, ...] = ()
@@ -93,6 +95,8 @@ class TelemetryService:
         self._group: asyncio.TaskGroup | None = None
         self._kv: KeyValue | None = None
         self._scraper: Scraper | None = None
+        self.interval_s = config.interval_s  # seconds between a member's scrapes now; set_interval changes it
+        self._retimed = asyncio.Event()  # set (and replaced) when interval_s changes: wakes every waiting loop
         self.following_pools = asyncio.Event()  # set once config changes are listened to (tests await it)
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -118,13 +122,28 @@ class TelemetryService:
                     await sub.unsubscribe()
 
     async def _on_config_changed(self, msg: Msg) -> None:
-        """A gateway saved new pools (its Config page): watch the HTTP members it added, drop removed ones."""
+        """A gateway saved new pools (its Config page): watch the HTTP members it added, drop removed ones,
+        and scrape at its ``metrics.poll_interval`` unless ``--interval`` pinned the interval."""
         try:
             config = pool_config.read_change_message(msg.data).config
         except ConfigError as exc:
             log.warning("ignored a config-changed message: %s", exc)
             return
         self.follow_pools([Member(m.member_id, m.backend.rstrip("/")) for m in config.http_members()])
+        if self.config.is_interval_from_pools:
+            self.set_interval(config.metrics.poll_interval)
+
+    def set_interval(self, interval_s: float) -> None:
+        """Scrape every ``interval_s`` from now on; every member's loop re-times the wait it is in at once
+        (schedule.py). Raises ValueError below the 100 ms floor (the pools file's parser enforces it too)."""
+        if not interval_s >= schedule.MIN_INTERVAL_S:
+            raise ValueError(f"scrape interval {interval_s!r}s is below {schedule.MIN_INTERVAL_S:g}s")
+        if interval_s == self.interval_s:
+            return
+        log.info("scraping every %gs (was %gs): the pools file's metrics.poll_interval", interval_s, self.interval_s)
+        self.interval_s = interval_s
+        retimed, self._retimed = self._retimed, asyncio.Event()
+        retimed.set()
 
     def follow_pools(self, members: list[Member]) -> None:
         wanted = {m.member_id: m for m in members}
@@ -148,21 +167,27 @@ class TelemetryService:
 
     # ---- scraping ----------------------------------------------------------------------------------
 
-    def _phase_s(self, member_id: str) -> float:
-        """A stable offset within the interval (crc32 of the id), spreading scrapes evenly."""
-        return self.config.interval_s * (zlib.crc32(member_id.encode()) % 1000) / 1000
+    async def _pause(self, delay_s: float) -> bool:
+        """Sleep ``delay_s``; True when the scrape interval changed meanwhile (the sleep ended early)."""
+        retimed = self._retimed
+        try:
+            async with asyncio.timeout(max(0.0, delay_s)):
+                await retimed.wait()
+        except TimeoutError:
+            raise_if_cancelling()
+            return False
+        return True
 
     async def _watch(self, state: MemberState) -> None:
-        interval = self.config.interval_s
-        await asyncio.sleep(self._phase_s(state.member.member_id))
-        next_s = time.monotonic()
+        await self._pause(schedule.phase_s(state.member.member_id, self.interval_s))
+        tick_s = time.monotonic()
         while True:
             await self.scrape_once(state)
-            next_s += interval
-            now = time.monotonic()
-            if next_s < now:  # a slow scrape: skip the ticks it overran rather than bursting to catch up
-                next_s += interval * ((now - next_s) // interval + 1)
-            await asyncio.sleep(next_s - now)
+            while True:  # wait for the next tick; a new interval re-times the wait from the same last tick
+                next_s = schedule.next_tick_s(tick_s, self.interval_s, time.monotonic())
+                if not await self._pause(next_s - time.monotonic()):
+                    break
+            tick_s = next_s
 
     async def scrape_once(self, state: MemberState) -> None:
         """Scrape one member, publish what it says (or that it is down). Never raises but for cancellation."""
@@ -195,7 +220,7 @@ class TelemetryService:
                 state.seq += 1
                 await self._publish(state, down_heartbeat(member, state.last, session_id=self.session_id,
                                                           seq=state.seq, ts_s=started_s,
-                                                          interval_s=self.config.interval_s))
+                                                          interval_s=self.interval_s))
             return
         if transition == "recovered":
             log.info("member %s recovered (%s)", member.member_id, reading.engine_kind)
@@ -205,7 +230,7 @@ class TelemetryService:
         state.last_ok_s = started_s
         state.seq += 1
         await self._publish(state, heartbeat(member, reading, session_id=self.session_id, seq=state.seq,
-                                             ts_s=started_s, interval_s=self.config.interval_s))
+                                             ts_s=started_s, interval_s=self.interval_s))
         if started_s - state.energy_sent_s >= self.config.energy_interval_s:
             await self._publish_energy(state, reading, started_s)
 

@@ -57,3 +57,25 @@ async def test_the_stale_threshold_comes_from_the_pools_file_unless_the_flag_nam
     flagged = GatewayService(nc, GatewayConfig(gateway_id="gw2", port=0, data_dir=tmp_path / "b",
                                                stale_after_s=2.0), pool_config.load(path))
     assert flagged.stale_after_s == 2.0  # --stale-after wins over the file
+
+
+async def test_an_edited_pools_file_is_announced_on_the_bus_once(nc, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from proto import subjects
+    heard: list[pool_config.ConfigChange] = []
+
+    async def on_change(msg) -> None:  # type: ignore[no-untyped-def]
+        heard.append(pool_config.read_change_message(msg.data))
+    sub = await nc.subscribe(subjects.CONFIG_CHANGED, cb=on_change)
+    path = tmp_path / "pools.json"
+    pool_file(path, "first", 1_000_000)
+    gateway = GatewayService(nc, GatewayConfig(gateway_id="gw", port=0, data_dir=tmp_path, config_path=path,
+                                               config_poll_s=0.05), pool_config.load(path))
+    async with gateway.running():
+        pool_file(path, "second", 1_000_100)  # telemetry and the other gateways learn of it
+        await wait_for(lambda: len(heard) == 1, timeout_s=5)
+        assert heard[0].gateway_id == "gw" and list(heard[0].raw["model_pools"]) == ["second"]
+        pool_file(path, "second", 1_000_200)  # the same content written again (a shared file): no echo
+        await wait_for(lambda: gateway._config_mtime == 1_000_200, timeout_s=5)
+        await nc.flush()
+        assert len(heard) == 1
+    await sub.unsubscribe()

@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proto import EnergySample, SlotHeartbeat, decode, subjects
 from services.common import pool_config
 from services.common.http import serving
+from services.common.runtime import ConfigError
 from services.gateway.service import GatewayConfig, GatewayService
 from services.telemetry import __main__ as telemetry_main
 from services.telemetry.discovery import PortRange, discovered_id
@@ -44,6 +46,7 @@ class Engine:
 
     kind: str
     fault: str | None = None  # "500" | "garbage" | "hang"
+    metrics: str | None = None  # a vllm or sglang /metrics body other than the sample one
     slots: dict[str, Any] = field(default_factory=samples.ninfer_slots)
     usage: dict[str, Any] = field(default_factory=lambda: samples.ninfer_usage({"2026-01-01": 10.0}))
     chats: int = 0
@@ -78,9 +81,9 @@ class Engine:
         add("/v1/models", js(lambda: models))
         add("/health", js(lambda: {"status": "ok"}))
         if self.kind == "vllm":
-            add("/metrics", text(samples.VLLM_METRICS))
+            add("/metrics", text(self.metrics or samples.VLLM_METRICS))
         elif self.kind == "sglang":
-            add("/metrics", text(samples.SGLANG_METRICS))
+            add("/metrics", text(self.metrics or samples.SGLANG_METRICS))
         elif self.kind == "llamacpp":
             add("/slots", js(lambda: samples.llamacpp_slots([True, False, False])))
             add("/metrics", text(samples.LLAMACPP_METRICS))
@@ -121,10 +124,12 @@ class Fleet:
 
 
 @contextlib.asynccontextmanager
-async def fleet_of(nc: Client, kinds: dict[str, str], **config: Any) -> AsyncIterator[Fleet]:
-    """Fixture engines (member id → kind), telemetry scraping them, and every heartbeat it publishes."""
+async def fleet_of(nc: Client, kinds: dict[str, str], metrics: dict[str, str] | None = None,
+                   **config: Any) -> AsyncIterator[Fleet]:
+    """Fixture engines (member id → kind; ``metrics``: member id → its /metrics body), telemetry scraping
+    them, and every heartbeat it publishes."""
     async with contextlib.AsyncExitStack() as es:
-        engines = {mid: Engine(kind) for mid, kind in kinds.items()}
+        engines = {mid: Engine(kind, metrics=(metrics or {}).get(mid)) for mid, kind in kinds.items()}
         urls = {mid: await es.enter_async_context(serving(e.app(), "127.0.0.1", 0)) for mid, e in engines.items()}
         heartbeats: dict[str, list[SlotHeartbeat]] = collections.defaultdict(list)
 
@@ -187,6 +192,40 @@ async def test_each_engine_kind_is_detected_and_its_heartbeat_carries_what_it_sa
         assert fleet.engines["v"].hits["/slots"] == slots_asked == 1
 
 
+async def test_messy_prometheus_text_over_http_reads_escaped_labels_nan_as_null_and_openmetrics_counters(
+        nc: Client) -> None:
+    """The fixture servers answer vLLM and SGLang /metrics with free comments, blank lines, histograms, a
+    timestamp, a counter typed without _total whose samples carry it, a served model name holding
+    ``\\"`` and ``\\\\`` escapes, and (for one member of each) a NaN KV gauge, which must be null, not 0 or NaN."""
+    messy = samples.MESSY_MODEL_NAME
+    bodies = {"vnan": samples.vllm_metrics(model_name=messy, kv_usage="NaN"),
+              "snan": samples.sglang_metrics(model_name=messy, token_usage="NaN")}
+    kinds = {"v": "vllm", "vnan": "vllm", "s": "sglang", "snan": "sglang"}
+    async with fleet_of(nc, kinds, metrics=bodies) as fleet:
+        await _ready(fleet, *kinds)
+        hb = {m: fleet.last(m) for m in kinds}
+    v, vnan, s, snan = hb["v"], hb["vnan"], hb["s"], hb["snan"]
+    assert v is not None and vnan is not None and s is not None and snan is not None
+    assert "\\\\" in bodies["vnan"] and '\\"' in bodies["vnan"]  # escaped on the wire ...
+    assert vnan.model_id == snan.model_id == 'acme/"fast", {8B} \\ fp8'  # ... and read back as named
+    assert (v.model_id, s.model_id) == ("Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct")
+    # vLLM: KV usage NaN → unknown, and so are the blocks derived from it; the rest as the engine said
+    assert (v.kv_usage, v.kv_blocks_used, v.kv_blocks_total) == (0.4, round(0.4 * 2000), 2000)
+    assert vnan.kv_usage is None and vnan.kv_blocks_used is None and vnan.kv_blocks_total == 2000
+    for h in (v, vnan):
+        assert (h.engine_kind, h.running, h.waiting, h.max_context) == ("vllm", 3, 2, 32768)
+        assert h.preemptions_total == 7  # '# TYPE vllm:num_preemptions counter', sample ..._total 7.0
+        assert (h.prompt_tokens_queried_total, h.prompt_tokens_hit_total) == (1000, 250)
+    # SGLang: token_usage NaN → unknown; its histogram and counters around it change nothing
+    assert s.kv_usage == 0.15 and snan.kv_usage is None
+    for h in (s, snan):
+        assert (h.engine_kind, h.running, h.waiting, h.kv_blocks_used, h.kv_blocks_total, h.decode_tok_per_s) == (
+            "sglang", 5, 4, 6000, 40000, 312.5)
+    # not only the newest heartbeat: none ever carried the NaN (msgpack would have sent it as a float)
+    for m in ("vnan", "snan"):
+        assert all(b.kv_usage is None for b in fleet.heartbeats[m])
+
+
 @pytest.mark.parametrize("fault", ["500", "garbage", "hang"])
 async def test_a_failing_member_is_down_after_two_failures_without_affecting_others_and_recovers(
         nc: Client, fault: str) -> None:
@@ -218,7 +257,8 @@ async def test_a_failing_member_is_down_after_two_failures_without_affecting_oth
 
 async def test_energy_from_ninfer_usage_lands_in_the_energy_stream_only_when_reported(nc: Client) -> None:
     async with fleet_of(nc, {"e": "ninfer", "none": "ninfer"}, energy_interval_s=INTERVAL_S) as fleet:
-        fleet.engines["e"].usage = samples.ninfer_usage({"2026-01-01": 100.0, "2026-01-02": 2.5})
+        # the engine's own rolling-30-day figure, distinct from the daily sum and from today's
+        fleet.engines["e"].usage = samples.ninfer_usage({"2026-01-01": 100.0, "2026-01-02": 2.5}, rolling_30d_wh=95.25)
         fleet.engines["none"].usage = samples.ninfer_usage({"2026-01-02": None})
         js = nc.jetstream()
         sub = await js.subscribe(subjects.energy("e"))
@@ -229,10 +269,13 @@ async def test_energy_from_ninfer_usage_lands_in_the_energy_stream_only_when_rep
             "e", "qwen3.8-27b", "engine", "engine_reported")
         assert reading.energy_mj == round((100.0 + 2.5) * 3.6e6)
         await _ready(fleet, "none")
-        await fleet.next_heartbeat("none")
+        none_hb = await fleet.next_heartbeat("none")
         with pytest.raises(NotFoundError):
             await js.get_last_msg(subjects.STREAM_ENERGY, subjects.energy("none"))
         await sub.unsubscribe()
+        e_hb = await fleet.next_heartbeat("e")  # scraped after the usage above was set
+    assert (e_hb.energy_today_wh, e_hb.energy_30d_wh) == (2.5, 95.25)
+    assert (none_hb.energy_today_wh, none_hb.energy_30d_wh) == (None, None)  # unmeasured: null, not 0
 
 
 async def test_telemetry_metrics_parse_with_prometheus_client_and_carry_the_router_s_load_score(
@@ -296,6 +339,97 @@ def test_flags_build_the_config_from_members_a_pools_file_and_lanes(tmp_path: Pa
     config = telemetry_main.build_config(args)
     assert config.members == (Member("a", "http://h:1", 64), Member("http-10-0-0-1-8000", "http://10.0.0.1:8000"))
     assert config.interval_s == 0.5 and config.discover == (PortRange("h", 8000, 8002),)
+
+
+def _build(*flags: str) -> TelemetryConfig:
+    parser = argparse.ArgumentParser()
+    telemetry_main.add_arguments(parser)
+    return telemetry_main.build_config(parser.parse_args(list(flags)))
+
+
+def test_without_interval_the_pools_file_s_poll_interval_is_the_scrape_interval_and_the_flag_wins(
+        tmp_path: Path) -> None:
+    pools = tmp_path / "pools.json"
+    pools.write_text(json.dumps({"model_pools": {}, "metrics": {"poll_interval": 2.5}}))
+    from_file = _build("--config", str(pools))
+    assert (from_file.interval_s, from_file.is_interval_from_pools) == (2.5, True)
+    # --energy-interval (default 5 s) is checked against the flag only: a file's slower poll is not an error
+    pools.write_text(json.dumps({"metrics": {"poll_interval": 10.0}}))
+    assert _build("--config", str(pools)).interval_s == 10.0
+    flag = _build("--config", str(pools), "--interval", "0.5")
+    assert (flag.interval_s, flag.is_interval_from_pools) == (0.5, False)
+    # the data dir's pools.json (what the gateway's Config page saves) counts as the pools file too
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "pools.json").write_text(json.dumps({"metrics": {"poll_interval": 0.25}}))
+    assert _build("--data-dir", str(tmp_path / "data")).interval_s == 0.25
+    # no pools file at all: the file's default, still following a file a gateway may save later
+    empty = _build("--data-dir", str(tmp_path / "nothing-here"))
+    assert (empty.interval_s, empty.is_interval_from_pools) == (1.0, True)
+
+
+@pytest.mark.parametrize(("flags", "key"), [
+    (["--interval", "0.05"], "interval"),  # the 100 ms floor
+    (["--interval", "6", "--energy-interval", "5"], "energy-interval"),
+])
+def test_bad_interval_flags_stop_start_up_and_name_the_key(tmp_path: Path, flags: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _build("--data-dir", str(tmp_path), *flags)
+    assert err.value.key == key
+
+
+def test_a_pools_file_poll_interval_under_100_ms_stops_start_up_naming_the_key(tmp_path: Path) -> None:
+    pools = tmp_path / "pools.json"
+    pools.write_text(json.dumps({"metrics": {"poll_interval": 0.05}}))
+    with pytest.raises(ConfigError) as err:
+        _build("--config", str(pools))
+    assert err.value.key == "metrics.poll_interval"
+
+
+async def test_a_saved_pools_file_s_poll_interval_retimes_scrapes_at_once_unless_the_flag_pinned_it(
+        nc: Client) -> None:
+    """A gateway's Config page broadcasts the new file on llm.v1.config.changed; telemetry does not restart."""
+    import msgspec
+
+    def change(poll_interval_s: float) -> bytes:
+        return msgspec.json.encode({"gateway_id": "gw", "config": {"metrics": {"poll_interval": poll_interval_s}}})
+
+    async with contextlib.AsyncExitStack() as es:
+        # ids chosen for a small phase (crc32 % 1000: follower 38, pinned 223), so the first scrape comes soon
+        follower = await es.enter_async_context(fleet_of(nc, {"follower": "vllm"}, interval_s=5.0,
+                                                         is_interval_from_pools=True, energy_interval_s=5.0))
+        pinned = await es.enter_async_context(fleet_of(nc, {"pinned": "vllm"}, interval_s=0.2,
+                                                       energy_interval_s=0.2))
+        await follower.telemetry.following_pools.wait()
+        await pinned.telemetry.following_pools.wait()
+        first = await follower.next_heartbeat("follower")
+        assert first.heartbeat_interval_s == 5.0
+        await pinned.next_heartbeat("pinned")
+
+        seen = len(follower.heartbeats["follower"])
+        sent_s = time.monotonic()
+        await nc.publish(subjects.CONFIG_CHANGED, change(0.1))
+        # the loop was 5 s from its next tick: re-timed, the next scrape comes one new interval after the last
+        await follower.next_heartbeat("follower", timeout_s=5.0)
+        assert time.monotonic() - sent_s < 2.5  # without re-timing: about 5 s
+        await wait_for(lambda: len(follower.heartbeats["follower"]) >= seen + 4, timeout_s=5.0)
+        fast = follower.heartbeats["follower"][seen:]
+        assert all(hb.heartbeat_interval_s == 0.1 for hb in fast)
+        assert follower.telemetry.interval_s == 0.1
+        gaps = [b.ts_s - a.ts_s for a, b in itertools.pairwise(fast)]
+        assert max(gaps) < 1.0  # 0.1 s apart, with room for a loaded machine; never the old 5 s
+        # --interval given: the flag wins over the file, before and after the change
+        assert pinned.telemetry.interval_s == 0.2
+        assert (await pinned.next_heartbeat("pinned")).heartbeat_interval_s == 0.2
+
+        await nc.publish(subjects.CONFIG_CHANGED, change(0.6))
+        await wait_for(lambda: (hb := follower.last("follower")) is not None and hb.heartbeat_interval_s == 0.6)
+        slow_from = len(follower.heartbeats["follower"])
+        await wait_for(lambda: len(follower.heartbeats["follower"]) >= slow_from + 2, timeout_s=5.0)
+        slow = follower.heartbeats["follower"][slow_from - 1:]
+        gaps = [b.ts_s - a.ts_s for a, b in itertools.pairwise(slow)]
+        # on the new 0.6 s grid, not the 0.1 s one (a late tick then a punctual one may sit closer than 0.6 s)
+        assert min(gaps) > 0.6 / 2 and sum(gaps) / len(gaps) > 0.6 * 0.8
+        assert pinned.telemetry.interval_s == 0.2
 
 
 # ---- end to end: the gateway routes by what telemetry published -----------------------------------------------

@@ -5,49 +5,74 @@ from __future__ import annotations
 
 from typing import Any
 
+
+def prom_label(value: str) -> str:
+    r'''A label value as the text format writes it: ``\`` → ``\\``, ``"`` → ``\"``, newline → ``\n``.'''
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+# A served model name as an operator may spell it (--served-model-name takes any string): quotes, a
+# backslash, a comma and braces, all of which a line-regex "parser" gets wrong.
+MESSY_MODEL_NAME = 'acme/"fast", {8B} \\ fp8'
+
 # vLLM v1 (prometheus_client exposition: counters declared as *_total with a *_created gauge beside them,
-# labelled by model_name and engine; real ones have dozens of buckets per histogram). The backslash-newlines
-# only keep the source short: the string holds one line per sample.
-VLLM_METRICS = '''# HELP python_gc_objects_collected_total Objects collected during gc
+# labelled by model_name and engine; real ones have dozens of buckets per histogram), plus what other
+# exporters in the same process write: free comments and blank lines, a timestamp, and one counter in the
+# OpenMetrics style (TYPE names it without _total, its samples carry _total and _created). The
+# backslash-newlines only keep the source short: the string holds one line per sample.
+_VLLM_TEMPLATE = '''# A free comment, not a declaration: "quotes", {braces}, a \\ backslash and a # sign
+# HELP python_gc_objects_collected_total Objects collected during gc
 # TYPE python_gc_objects_collected_total counter
 python_gc_objects_collected_total{generation="0"} 1234.0
+
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-8B"} 3.0
+vllm:num_requests_running{engine="0",model_name="@MODEL@"} 3.0
 # HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen3-8B"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="@MODEL@"} 2.0 1700000000000
 # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
 # TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 0.4
+vllm:kv_cache_usage_perc{engine="0",model_name="@MODEL@"} @KV@
 # HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
 # TYPE vllm:prefix_cache_queries_total counter
-vllm:prefix_cache_queries_total{engine="0",model_name="Qwen/Qwen3-8B"} 1000.0
+vllm:prefix_cache_queries_total{engine="0",model_name="@MODEL@"} 1000.0
 # HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.
 # TYPE vllm:prefix_cache_queries_created gauge
-vllm:prefix_cache_queries_created{engine="0",model_name="Qwen/Qwen3-8B"} 1.7e+09
+vllm:prefix_cache_queries_created{engine="0",model_name="@MODEL@"} 1.7e+09
 # HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
 # TYPE vllm:prefix_cache_hits_total counter
-vllm:prefix_cache_hits_total{engine="0",model_name="Qwen/Qwen3-8B"} 250.0
-# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
-# TYPE vllm:num_preemptions_total counter
-vllm:num_preemptions_total{engine="0",model_name="Qwen/Qwen3-8B"} 7.0
+vllm:prefix_cache_hits_total{engine="0",model_name="@MODEL@"} 250.0
+# HELP vllm:num_preemptions Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="@MODEL@"} 7.0
+vllm:num_preemptions_created{engine="0",model_name="@MODEL@"} 1.7e+09
 # HELP vllm:prompt_tokens_total Number of prefill tokens processed.
 # TYPE vllm:prompt_tokens_total counter
-vllm:prompt_tokens_total{engine="0",model_name="Qwen/Qwen3-8B"} 5000.0
+vllm:prompt_tokens_total{engine="0",model_name="@MODEL@"} 5000.0
+
 # HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="Qwen/Qwen3-8B"} 0.0
-vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="Qwen/Qwen3-8B"} 2.0
-vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="Qwen/Qwen3-8B"} 10.0
-vllm:time_to_first_token_seconds_count{engine="0",model_name="Qwen/Qwen3-8B"} 10.0
-vllm:time_to_first_token_seconds_sum{engine="0",model_name="Qwen/Qwen3-8B"} 0.75
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="@MODEL@"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="@MODEL@"} 2.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="@MODEL@"} 10.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="@MODEL@"} 10.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="@MODEL@"} 0.75
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",\
 gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="2000",num_gpu_blocks_override="None",\
 sliding_window="None",swap_space="4"} 1.0
 '''
+
+
+def vllm_metrics(*, model_name: str = "Qwen/Qwen3-8B", kv_usage: str = "0.4") -> str:
+    '''A vLLM ``/metrics`` body; ``kv_usage`` is written as given (``"NaN"`` is what a gauge with no
+    value yet exports).'''
+    return _VLLM_TEMPLATE.replace("@MODEL@", prom_label(model_name)).replace("@KV@", kv_usage)
+
+
+VLLM_METRICS = vllm_metrics()
 
 # An older vLLM (v0): gpu_cache_usage_perc and gpu_prefix_cache_* names, no engine label, max_num_seqs
 # put into cache_config_info by a patched build.
@@ -116,34 +141,50 @@ def llamacpp_slots(busy: list[bool], *, old: bool = False) -> list[dict[str, Any
 LLAMACPP_MODELS = {"object": "list", "data": [{"id": "qwen2.5-7b-q4_k_m.gguf", "object": "model",
                                                "owned_by": "llamacpp", "meta": {"n_ctx_train": 32768}}]}
 
-SGLANG_METRICS = '''# HELP sglang:num_running_reqs The number of running requests.
+# SGLang (prometheus_client, labelled by model_name), with a free comment, a blank line, an OpenMetrics-style
+# counter (TYPE without _total, samples with it) and a histogram whose _sum comes before its buckets.
+_SGLANG_TEMPLATE = '''# HELP sglang:num_running_reqs The number of running requests.
 # TYPE sglang:num_running_reqs gauge
-sglang:num_running_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 5.0
+sglang:num_running_reqs{model_name="@MODEL@"} 5.0
 # HELP sglang:num_used_tokens The number of used tokens.
 # TYPE sglang:num_used_tokens gauge
-sglang:num_used_tokens{model_name="meta-llama/Llama-3.1-8B-Instruct"} 6000.0
+sglang:num_used_tokens{model_name="@MODEL@"} 6000.0
+
+# free comment: {model_name="not a sample"} 99
 # HELP sglang:token_usage The token usage.
 # TYPE sglang:token_usage gauge
-sglang:token_usage{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.15
+sglang:token_usage{model_name="@MODEL@"} @KV@
 # HELP sglang:gen_throughput The generation throughput (token/s).
 # TYPE sglang:gen_throughput gauge
-sglang:gen_throughput{model_name="meta-llama/Llama-3.1-8B-Instruct"} 312.5
+sglang:gen_throughput{model_name="@MODEL@"} 312.5
+# HELP sglang:prompt_tokens Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens counter
+sglang:prompt_tokens_total{model_name="@MODEL@"} 12345.0
+sglang:prompt_tokens_created{model_name="@MODEL@"} 1.7e+09
 # HELP sglang:num_queue_reqs The number of requests in the waiting queue.
 # TYPE sglang:num_queue_reqs gauge
-sglang:num_queue_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 4.0
+sglang:num_queue_reqs{model_name="@MODEL@"} 4.0
 # HELP sglang:cache_hit_rate The prefix cache hit rate.
 # TYPE sglang:cache_hit_rate gauge
-sglang:cache_hit_rate{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.5
-# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
-# TYPE sglang:prompt_tokens_total counter
-sglang:prompt_tokens_total{model_name="meta-llama/Llama-3.1-8B-Instruct"} 12345.0
+sglang:cache_hit_rate{model_name="@MODEL@"} 0.5
 # HELP sglang:e2e_request_latency_seconds Histogram of End-to-end request latency in seconds
 # TYPE sglang:e2e_request_latency_seconds histogram
-sglang:e2e_request_latency_seconds_sum{model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
-sglang:e2e_request_latency_seconds_bucket{le="0.1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
-sglang:e2e_request_latency_seconds_bucket{le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 8.0
-sglang:e2e_request_latency_seconds_count{model_name="meta-llama/Llama-3.1-8B-Instruct"} 8.0
+sglang:e2e_request_latency_seconds_sum{model_name="@MODEL@"} 10.0
+sglang:e2e_request_latency_seconds_bucket{le="0.1",model_name="@MODEL@"} 0.0
+sglang:e2e_request_latency_seconds_bucket{le="+Inf",model_name="@MODEL@"} 8.0
+sglang:e2e_request_latency_seconds_count{model_name="@MODEL@"} 8.0
+# HELP sglang:max_total_num_tokens Maximum total number of tokens in the KV pool.
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{model_name="@MODEL@"} 40000.0
 '''
+
+
+def sglang_metrics(*, model_name: str = "meta-llama/Llama-3.1-8B-Instruct", token_usage: str = "0.15") -> str:
+    '''An SGLang ``/metrics`` body; ``token_usage`` (its KV occupancy) is written as given, ``"NaN"`` included.'''
+    return _SGLANG_TEMPLATE.replace("@MODEL@", prom_label(model_name)).replace("@KV@", token_usage)
+
+
+SGLANG_METRICS = sglang_metrics()
 
 
 def ninfer_slots(running: int = 2, waiting: int = 0, lanes: int = 8, model: str = "qwen3.8-27b") -> dict[str, Any]:
@@ -161,11 +202,21 @@ def _bucket(wh: float | None, tokens: int) -> dict[str, Any]:
             "cost_per_m_tokens_usd": None}
 
 
+_SUM_OF_DAYS: Any = object()
+
+
 def ninfer_usage(daily_wh: dict[str, float | None] | None = None, running: int = 2, waiting: int = 0,
-                 spills: int = 0, evicted: int = 0) -> dict[str, Any]:
-    """The NInfer fork's ``/usage`` (interop.md); ``daily_wh`` maps UTC days to Wh (None: not measured)."""
+                 spills: int = 0, evicted: int = 0, rolling_30d_wh: float | None = _SUM_OF_DAYS) -> dict[str, Any]:
+    """The NInfer fork's ``/usage`` (interop.md); ``daily_wh`` maps UTC days to Wh (None: not measured).
+
+    ``rolling_30d_wh`` defaults to the sum of the measured days (None when none was measured), as the
+    engine computes it over its last 30 days; pass a figure to tell the fields apart in a test."""
     daily = {d: _bucket(wh, 100) for d, wh in (daily_wh or {}).items()}
     today = list(daily.values())[-1] if daily else _bucket(None, 0)
+    if rolling_30d_wh is _SUM_OF_DAYS:
+        measured = [wh for wh in (daily_wh or {}).values() if wh is not None]
+        rolling_30d_wh = sum(measured) if measured else None
+    rolling_30d = _bucket(rolling_30d_wh, 100 * len(daily))
     return {
         "model": "qwen3.8-27b", "uptime": {"seconds": 1234.5, "human": "0h 20m"},
         "tokens": {"input": {"total": 5000, "cache_hits": 1500, "cache_computed": 3500, "cache_hit_rate_pct": 30.0},
@@ -175,6 +226,6 @@ def ninfer_usage(daily_wh: dict[str, float | None] | None = None, running: int =
         "requests": {"total": 42, "cache_efficiency_pct": 30.0},
         "lanes": {"capacity": 8, "processing": running, "waiting": waiting, "decoding": running, "prefilling": 0},
         "health": {"kv_pressure_spills": spills, "sessions_evicted": evicted, "kv_pages_occupied": 123},
-        "energy": {"rate_usd_per_kwh": 0.125, "today": today, "rolling_30d": today, "daily": daily,
+        "energy": {"rate_usd_per_kwh": 0.125, "today": today, "rolling_30d": rolling_30d, "daily": daily,
                    "note": "NVML energy counter"},
     }

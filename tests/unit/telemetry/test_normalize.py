@@ -14,13 +14,15 @@ def _metrics(text: str):  # type: ignore[no-untyped-def]
 
 
 def test_ninfer_slots_and_usage_fill_lanes_queue_counters_throughput_and_energy() -> None:
-    usage = samples.ninfer_usage({"2026-01-01": 100.0, "2026-01-02": None, "2026-01-03": 23.5}, spills=3, evicted=1)
+    # rolling_30d differs from the daily sum here (the engine's window is its own): each field has one source
+    usage = samples.ninfer_usage({"2026-01-01": 100.0, "2026-01-02": None, "2026-01-03": 23.5}, spills=3, evicted=1,
+                                 rolling_30d_wh=95.25)
     r = n.ninfer_reading(samples.ninfer_slots(running=2, waiting=1), usage)
     assert r == n.Reading(
         engine_kind="ninfer", model_id="qwen3.8-27b", lanes=8, running=2, waiting=1, kv_blocks_used=123,
         kv_spills_total=3, kv_evictions_total=1, admitted_total=42, prompt_tokens_queried_total=5000,
         prompt_tokens_hit_total=1500, prefill_tok_per_s=800.5, decode_tok_per_s=55.25,
-        energy_today_wh=23.5, energy_wh_total=100.0 + 23.5)
+        energy_today_wh=23.5, energy_wh_total=100.0 + 23.5, energy_30d_wh=95.25)
 
 
 def test_ninfer_without_usage_still_reads_its_slots_and_says_nothing_of_the_rest() -> None:
@@ -40,6 +42,25 @@ def test_energy_is_none_when_no_day_was_measured_never_zero() -> None:
     assert n.daily_wh_total(usage) is None
     assert n.ninfer_reading(samples.ninfer_slots(), usage).energy_today_wh is None
     assert n.daily_wh_total(samples.ninfer_usage({"2026-01-01": 0.0})) == 0.0  # measured zero is zero
+
+
+def test_the_rolling_30_day_energy_is_read_as_reported_and_is_none_when_unknown_never_zero() -> None:
+    slots = samples.ninfer_slots()
+    assert n.ninfer_reading(slots, samples.ninfer_usage({"2026-01-01": 4.0, "2026-01-02": 6.5})).energy_30d_wh == (
+        4.0 + 6.5)
+    assert n.ninfer_reading(slots, samples.ninfer_usage({"2026-01-01": 0.0})).energy_30d_wh == 0.0  # measured zero
+    usage = samples.ninfer_usage({"2026-01-01": 4.0})
+    unknown = [
+        None,  # no /usage at all
+        samples.ninfer_usage({"2026-01-01": None}),  # wh: null
+        {**usage, "energy": {k: v for k, v in usage["energy"].items() if k != "rolling_30d"}},  # an older fork
+        {**usage, "energy": {**usage["energy"], "rolling_30d": {"kwh": 0.004}}},  # no wh
+        {**usage, "energy": {**usage["energy"], "rolling_30d": {"wh": "4.0"}}},
+        {**usage, "energy": {**usage["energy"], "rolling_30d": {"wh": -1.0}}},
+        {**usage, "energy": {**usage["energy"], "rolling_30d": {"wh": float("nan")}}},
+        {**usage, "energy": {**usage["energy"], "rolling_30d": [4.0]}},
+    ]
+    assert [n.ninfer_reading(slots, u).energy_30d_wh for u in unknown] == [None] * len(unknown)
 
 
 @pytest.mark.parametrize("body", [None, [], {"max_concurrency": 0}, {"max_concurrency": "8"}, {"model": "x"},
@@ -121,7 +142,25 @@ def test_llamacpp_slots_that_are_not_an_array_are_rejected() -> None:
 def test_sglang_metrics_map_running_queue_token_usage_and_throughput() -> None:
     r = n.sglang_reading(_metrics(samples.SGLANG_METRICS), n.ModelsInfo())
     assert r == n.Reading(engine_kind="sglang", model_id="meta-llama/Llama-3.1-8B-Instruct", running=5, waiting=4,
-                          kv_usage=0.15, kv_blocks_used=6000, decode_tok_per_s=312.5)
+                          kv_usage=0.15, kv_blocks_used=6000, kv_blocks_total=40000, decode_tok_per_s=312.5)
+
+
+def test_a_nan_kv_gauge_and_an_escaped_model_name_read_as_unknown_and_as_written() -> None:
+    v = n.vllm_reading(_metrics(samples.vllm_metrics(model_name=samples.MESSY_MODEL_NAME, kv_usage="NaN")),
+                       n.ModelsInfo())
+    assert v.model_id == 'acme/"fast", {8B} \\ fp8'
+    assert v.kv_usage is None and v.kv_blocks_used is None and v.kv_blocks_total == 2000  # NaN: unknown, not 0
+    assert (v.running, v.waiting, v.preemptions_total) == (3, 2, 7)  # the other gauges are unaffected
+    s = n.sglang_reading(_metrics(samples.sglang_metrics(model_name=samples.MESSY_MODEL_NAME, token_usage="NaN")),
+                         n.ModelsInfo())
+    assert s.model_id == samples.MESSY_MODEL_NAME and s.kv_usage is None and (s.running, s.waiting) == (5, 4)
+
+
+def test_a_counter_typed_without_total_whose_samples_carry_total_is_read() -> None:
+    """OpenMetrics-minded exporters write ``# TYPE x counter`` and ``x_total``/``x_created`` samples."""
+    text = samples.VLLM_METRICS
+    assert "# TYPE vllm:num_preemptions counter\n" in text and "vllm:num_preemptions_total{" in text
+    assert n.vllm_reading(_metrics(text), n.ModelsInfo()).preemptions_total == 7
 
 
 @pytest.mark.parametrize(("text", "kind"), [

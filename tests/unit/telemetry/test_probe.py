@@ -24,13 +24,21 @@ def test_a_heartbeat_carries_what_the_reading_filled_and_none_for_the_rest() -> 
     assert (hb.worker_id, hb.backend, hb.engine_kind, hb.state, hb.ts_s, hb.seq) == (
         "m1", MEMBER.url, "vllm", "ready", 100.0, 7)
     assert (hb.running, hb.waiting, hb.kv_usage, hb.heartbeat_interval_s) == (3, 0, 0.5, 1.0)
-    assert hb.lanes is None and hb.max_context is None and hb.energy_today_wh is None
+    assert hb.lanes is None and hb.max_context is None and hb.energy_today_wh is None and hb.energy_30d_wh is None
+
+
+def test_a_ninfer_heartbeat_carries_the_engine_s_today_and_30_day_energy() -> None:
+    reading = Reading(engine_kind="ninfer", model_id="q", energy_today_wh=2.5, energy_30d_wh=95.25,
+                      energy_wh_total=102.5)
+    hb = heartbeat(MEMBER, reading, session_id="s", seq=1, ts_s=1.0, interval_s=1.0)
+    assert (hb.energy_today_wh, hb.energy_30d_wh) == (2.5, 95.25)
 
 
 def test_a_down_heartbeat_keeps_the_kind_and_model_but_no_load_figures() -> None:
-    last = Reading(engine_kind="ninfer", model_id="q", lanes=8, running=8)
+    last = Reading(engine_kind="ninfer", model_id="q", lanes=8, running=8, energy_30d_wh=5.0)
     hb = down_heartbeat(MEMBER, last, session_id="s", seq=9, ts_s=5.0, interval_s=1.0)
     assert (hb.state, hb.engine_kind, hb.model_id, hb.lanes, hb.running) == ("down", "ninfer", "q", None, None)
+    assert hb.energy_30d_wh is None
     assert down_heartbeat(MEMBER, None, session_id="s", seq=1, ts_s=5.0, interval_s=1.0).engine_kind == "stock"
 
 

@@ -115,15 +115,31 @@ def test_malformed_lines_fail_the_parse_and_name_the_line(line: str) -> None:
     assert err.value.line_no == 2 and err.value.line == line
 
 
-def test_the_vllm_exposition_reads_like_prometheus_client_reads_it() -> None:
-    ours = parse(samples.VLLM_METRICS)
-    theirs = [s for f in text_string_to_metric_families(samples.VLLM_METRICS) for s in f.samples]
+@pytest.mark.parametrize("text", [
+    samples.VLLM_METRICS, samples.vllm_metrics(model_name=samples.MESSY_MODEL_NAME, kv_usage="NaN"),
+    samples.SGLANG_METRICS, samples.sglang_metrics(model_name=samples.MESSY_MODEL_NAME, token_usage="NaN"),
+], ids=["vllm", "vllm-messy", "sglang", "sglang-messy"])
+def test_the_engine_expositions_read_like_prometheus_client_reads_them(text: str) -> None:
+    ours = parse(text)
+    theirs = [s for f in text_string_to_metric_families(text) for s in f.samples]
     assert len(theirs) == sum(len(f.samples) for f in ours.families.values())
     for sample in theirs:
         (match,) = [s for s in ours.samples(sample.name) if dict(s.labels) == sample.labels]
-        assert match.value == sample.value, sample
+        assert match.value == sample.value or (math.isnan(match.value) and math.isnan(sample.value)), sample
+        assert match.timestamp_ms == (None if sample.timestamp is None else round(float(sample.timestamp) * 1000))
+
+
+def test_vllm_labels_and_timestamps_come_through_unescaped() -> None:
+    ours = parse(samples.vllm_metrics(model_name=samples.MESSY_MODEL_NAME))
     info = ours.samples("vllm:cache_config_info")[0].labels
     assert info["num_gpu_blocks"] == "2000" and info["swap_space"] == "4"
+    (running,) = ours.samples("vllm:num_requests_running")
+    assert running.labels == {"engine": "0", "model_name": 'acme/"fast", {8B} \\ fp8'} and running.value == 3
+    (waiting,) = ours.samples("vllm:num_requests_waiting")
+    assert waiting.timestamp_ms == 1_700_000_000_000
+    preemptions = ours.families["vllm:num_preemptions"]  # TYPE without _total: its _total and _created samples
+    assert preemptions.type == "counter"
+    assert [s.name for s in preemptions.samples] == ["vllm:num_preemptions_total", "vllm:num_preemptions_created"]
 
 
 # ---- round trip against services/common/prom.py's writer --------------------------------------------------------

@@ -1,0 +1,31 @@
+"""Pure: when a member's scrape loop fires. Times are ``time.monotonic()`` seconds, passed in.
+
+Each member scrapes on its own grid ``tick + k·interval``, offset by a stable phase so 200 members do
+not all fire in the same millisecond. The interval may change while telemetry runs (a pools file's
+``metrics.poll_interval`` saved on a gateway's Config page, when ``--interval`` was not given): the grid
+then continues from the member's last tick with the new interval, so neither a shorter nor a longer one
+waits out the old.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+MIN_INTERVAL_S = 0.1  # issue 6: the heartbeat rate is "tunable down to 100 ms"
+DEFAULT_INTERVAL_S = 1.0  # as the pools file's metrics.poll_interval defaults (services/common/pool_config.py)
+
+
+def phase_s(member_id: str, interval_s: float) -> float:
+    """A stable offset within the interval (crc32 of the id, in thousandths), spreading scrapes evenly."""
+    return interval_s * (zlib.crc32(member_id.encode()) % 1000) / 1000
+
+
+def next_tick_s(tick_s: float, interval_s: float, now_s: float) -> float:
+    """The first tick ``tick_s + k·interval_s`` (k ≥ 1) that is not in the past.
+
+    A scrape that overran its interval skips the ticks it missed rather than bursting to catch up.
+    """
+    next_s = tick_s + interval_s
+    if next_s < now_s:
+        next_s += interval_s * ((now_s - next_s) // interval_s + 1)
+    return next_s
