@@ -41,6 +41,7 @@ RESYNC_S = 15.0
 RETRY_S = 1.0
 BOOTSTRAP_KEY = "bootstrap"
 _KV_PREFIX = f"$KV.{subjects.KV_IDENTITY}."
+_STREAM = f"KV_{subjects.KV_IDENTITY}"  # the stream behind the bucket
 
 
 def entry_key(table: str, row: dict[str, Any]) -> str:
@@ -59,6 +60,7 @@ class IdentitySync:
         self._wake = asyncio.Event()
         self._waiting: dict[str, tuple[str, dict[str, Any]]] = {}  # rows whose user has not arrived yet
         self.applied = 0
+        self._sub: Any = None
         store.on_change = self._local_change
 
     # ---- start ------------------------------------------------------------------------------------
@@ -73,11 +75,17 @@ class IdentitySync:
                 self.kv = await js.create_key_value(KeyValueConfig(
                     bucket=subjects.KV_IDENTITY, history=1, storage=StorageType.FILE,
                     description="users and API keys shared by the gateways"))
+            # listen first, then read the bucket: a put in between arrives by one path or both (newest wins)
+            self._sub = await self.nc.subscribe(_KV_PREFIX + ">", cb=self._on_put)
+            await self.nc.flush()
             await self._pull_all()
         except Exception as exc:
             raise_if_cancelling()
             log.warning("users and keys are not shared with other gateways (bus bucket unavailable: %s)", exc)
-            self.kv = None
+            if self._sub is not None:
+                with contextlib.suppress(Exception):
+                    await self._sub.unsubscribe()
+            self.kv = self._sub = None
             return False
         return True
 
@@ -92,20 +100,27 @@ class IdentitySync:
             return False
 
     async def _pull_all(self) -> None:
-        """Apply every row in the bucket, then offer ours that it lacks or holds older."""
+        """Apply every row in the bucket, then offer ours that it lacks or holds older.
+
+        Read message by message (``next_by_subj`` from the last sequence seen) rather than with a KV
+        watcher: the end is a plain "no message", not a marker that may never come.
+        """
         assert self.kv is not None
+        js = self.nc.jetstream()
         held: dict[str, float] = {}
-        watcher = await self.kv.watchall()
-        try:
-            while (entry := await watcher.updates(timeout=10.0)) is not None:
-                if entry.key == BOOTSTRAP_KEY or not entry.value:
-                    continue
-                row = self._apply(entry.key, entry.value)
-                if row is not None:
-                    held[entry.key] = float(row.get("updated_s") or 0.0)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
+        seq = 1
+        while True:
+            try:
+                msg = await js.get_msg(_STREAM, seq=seq, subject=_KV_PREFIX + ">", next=True)
+            except NotFoundError:
+                break
+            seq = msg.seq + 1
+            key = (msg.subject or "").removeprefix(_KV_PREFIX)
+            if key == BOOTSTRAP_KEY or not msg.data or (msg.headers or {}).get("KV-Operation"):
+                continue
+            row = self._apply(key, msg.data)
+            if row is not None:
+                held[key] = float(row.get("updated_s") or 0.0)
         self._retry_waiting()
         self.store.refresh()  # rows ``llmgw admin`` changed in the file while we ran
         for table, row in self.store.replica_rows():
@@ -119,14 +134,13 @@ class IdentitySync:
         """Send our changes, take the others' (until cancelled)."""
         if self.kv is None:
             return
-        sub = await self.nc.subscribe(_KV_PREFIX + ">", cb=self._on_put)
         try:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._send_outbox(), name="identity-send")
                 tasks.create_task(self._resync(), name="identity-resync")
         finally:
             with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+                await self._sub.unsubscribe()
 
     def _local_change(self, table: str, row: dict[str, Any]) -> None:
         self._outbox[entry_key(table, row)] = msgspec.json.encode(row)

@@ -18,7 +18,7 @@ from aiohttp import web
 from markupsafe import Markup
 
 from proto import subjects
-from services.common.http import HTTPError
+from services.common.http import HTTPError, read_form
 from services.gateway import charts, config_form
 from services.gateway.auth import LOGIN_CSRF_COOKIE, SESSION_COOKIE
 from services.gateway.identity import (
@@ -128,9 +128,9 @@ class Pages:
         return web.Response(body=STYLE, content_type="text/css", headers={"Cache-Control": "max-age=3600"})
 
     async def _form(self, request: web.Request, session: Session) -> dict[str, str]:
-        form = await request.post()
+        form = await read_form(request)
         self.auth.check_csrf(session, form.get("csrf"))
-        return {k: v for k, v in form.items() if isinstance(v, str)}
+        return form
 
     # ---- sign-in ----------------------------------------------------------------------------------
 
@@ -151,7 +151,7 @@ class Pages:
         return self._signin(request, next_path=_safe_next(request.query.get("next"), ""))
 
     async def login(self, request: web.Request) -> web.Response:
-        form = await request.post()
+        form = await read_form(request)
         nonce = request.cookies.get(LOGIN_CSRF_COOKIE, "")
         token = form.get("csrf")
         expected = self.auth.store.sign_value(nonce).encode()

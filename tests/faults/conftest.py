@@ -1,5 +1,14 @@
-"""Fault-test helpers: real engine/gateway/accounting processes that a test can SIGKILL, an in-process
-gateway on a real nats-server, a counter of error log lines, and a reader of the USAGE stream."""
+"""Fault-test helpers: real engine/gateway/accounting/telemetry processes that a test can SIGKILL, an
+in-process gateway on a real nats-server, a counter of error log lines, a reader of the USAGE stream, and
+the run-wide secrets check.
+
+Every test under tests/faults gets the ``faults`` marker here (``pytest -m faults`` runs them alone).
+
+Secrets never logged (issue #12, 6): :data:`WATCH` keeps every log record of the run (INFO and up, every
+logger: the in-process gateways' access and error logs included) and the output of every service process
+the tests start. Tests register each key and password they use; when the run ends, none may appear in
+that text, except the gateway's one first-start line on stdout, which exists to show them.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -24,6 +34,91 @@ from services.gateway.service import GatewayConfig, GatewayService
 from tests.e2e.procs import Followed
 
 PYTHON = sys.executable
+FAULTS_DIR = Path(__file__).resolve().parent
+BOOTSTRAP_LINE = "llmgw gateway: first start"  # the one place a gateway shows a password and a key
+CLIENT_LOGGERS = ("httpx", "httpcore", "hypothesis")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if FAULTS_DIR in item.path.parents:
+            item.add_marker(pytest.mark.faults)
+
+
+class SecretWatch(logging.Handler):
+    """The log records and process outputs of a whole fault-test run, and the secrets they must not hold."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.secrets: dict[str, str] = {}  # value -> what it is
+        self.lines: list[str] = []
+        self.outputs: list[Followed] = []
+        self.access_lines = 0
+
+    def add(self, what: str, value: str | None) -> None:
+        if value:
+            self.secrets.setdefault(value, what)
+
+    def add_bootstrap(self, text: str) -> None:
+        """The password and key of a gateway's first-start line (a process's output, or stdout)."""
+        for line in text.splitlines():
+            if line.startswith(BOOTSTRAP_LINE):
+                found = re.search(r"\(password (\S+)\) and API key (\S+);", line)
+                assert found, line
+                self.add("bootstrap admin password", found.group(1))
+                self.add("bootstrap API key", found.group(2))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith(CLIENT_LOGGERS):
+            return  # the tests' own HTTP clients: a line per request, none of it from a service
+        try:
+            text = f"{record.levelname} {record.name}: {record.getMessage()}"
+        except Exception:  # a record whose args do not format: keep what there is
+            text = f"{record.levelname} {record.name}: {record.msg!r} {record.args!r}"
+        if record.exc_info and record.exc_info[1] is not None:
+            text += f" {record.exc_info[1]!r}"
+        if record.name == "llmgw.access":
+            self.access_lines += 1
+        self.lines.append(text)
+
+    def texts(self) -> list[tuple[str, str]]:
+        """(where, text): the log, and each process's output without its first-start line."""
+        found = [("log", "\n".join(self.lines))]
+        for followed in self.outputs:
+            lines = [ln for ln in followed.lines if not ln.startswith(BOOTSTRAP_LINE)]
+            found.append((" ".join(followed.proc.args[:4]), "".join(lines)))
+        return found
+
+    def leaks(self) -> list[str]:
+        return [f"{what} in {where}" for where, text in self.texts()
+                for value, what in self.secrets.items() if value in text]
+
+
+WATCH = SecretWatch()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def secrets_never_logged() -> Iterator[SecretWatch]:
+    """Watch the whole run's logs (INFO and up) and check them for every registered secret at its end."""
+    root, client = logging.getLogger(), logging.getLogger("httpx")
+    old, old_client = root.level, client.level
+    root.addHandler(WATCH)
+    if root.level == logging.NOTSET or root.level > logging.INFO:
+        root.setLevel(logging.INFO)  # the access log is INFO
+    client.setLevel(logging.WARNING)  # not a line per fuzz request in every failure report
+    try:
+        yield WATCH
+    finally:
+        root.removeHandler(WATCH)
+        root.setLevel(old)
+        client.setLevel(old_client)
+    leaks = WATCH.leaks()
+    num_chars = sum(len(text) for _, text in WATCH.texts())
+    print(f"\nFIGURES secrets-in-logs: secrets={len(WATCH.secrets)} log_records={len(WATCH.lines)}"
+          f" access_lines={WATCH.access_lines} processes={len(WATCH.outputs)} chars_checked={num_chars}"
+          f" found={len(leaks)}")
+    assert leaks == [], leaks
 
 
 async def wait_until(predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "") -> float:
@@ -47,8 +142,23 @@ class Proc:
         self.followed: Followed | None = None
 
     async def start(self, timeout_s: float = 60.0) -> str:
+        return await asyncio.to_thread(self.start_sync, timeout_s)
+
+    def start_sync(self, timeout_s: float = 60.0) -> str:
         self.followed = Followed(self.argv, self.marker, env=self.env)
-        return await asyncio.to_thread(self.followed.wait_ready, timeout_s)
+        WATCH.outputs.append(self.followed)
+        ready = self.followed.wait_ready(timeout_s)
+        WATCH.add_bootstrap(self.followed.output)
+        return ready
+
+    @property
+    def url(self) -> str:
+        """The base URL the service's readiness line names."""
+        assert self.followed is not None
+        line = self.followed.wait_ready(0)
+        found = re.search(r"(http://[0-9.]+:[0-9]+)", line)
+        assert found, line
+        return found.group(1)
 
     @property
     def pid(self) -> int:
@@ -81,14 +191,21 @@ class Proc:
 
 
 def engine_proc(model: Path, nats_url: str, worker_id: str, data_dir: Path, *extra: str) -> Proc:
+    if "--api-key" in extra:
+        WATCH.add("engine API key", extra[extra.index("--api-key") + 1])
     return Proc([PYTHON, "-m", "services.engine", str(model), "--model-id", "tiny", "--nats", nats_url,
                  "--worker-id", worker_id, "--port", "0", "--data-dir", str(data_dir), *extra],
                 "llmgw engine ready")
 
 
-def accounting_proc(nats_url: str, db: Path, data_dir: Path) -> Proc:
+def accounting_proc(nats_url: str, db: Path, data_dir: Path, *extra: str) -> Proc:
     return Proc([PYTHON, "-m", "services.accounting", "--nats", nats_url, "--db", str(db),
-                 "--data-dir", str(data_dir)], "llmgw accounting ready")
+                 "--data-dir", str(data_dir), *extra], "llmgw accounting ready")
+
+
+def telemetry_proc(nats_url: str, data_dir: Path, *extra: str) -> Proc:
+    return Proc([PYTHON, "-m", "services.telemetry", "--nats", nats_url, "--port", "0", "--data-dir", str(data_dir),
+                 *extra], "llmgw telemetry ready")
 
 
 def gateway_proc(nats_url: str, data_dir: Path, config: Path | None = None) -> Proc:
@@ -134,6 +251,8 @@ async def gateway_in_process(nats_url: str, data_dir: Path, raw_config: dict[str
         await es.enter_async_context(gateway.running())
         url = await es.enter_async_context(gateway.serving())
         assert gateway.bootstrap is not None
+        WATCH.add("bootstrap admin password", gateway.bootstrap[0])
+        WATCH.add("bootstrap API key", gateway.bootstrap[1])
         yield InProcessGateway(gateway, url, gateway.bootstrap[1])
 
 
@@ -154,6 +273,25 @@ class LogCounter(logging.Handler):
 
     def lines(self, level: int) -> list[str]:
         return [f"{r.levelname} {r.name}: {r.getMessage()}" for r in self.records if r.levelno >= level]
+
+
+@contextlib.contextmanager
+def counting_logs() -> Iterator[LogCounter]:
+    """A :class:`LogCounter` on the root logger while the block runs."""
+    counter = LogCounter()
+    root = logging.getLogger()
+    root.addHandler(counter)
+    try:
+        yield counter
+    finally:
+        root.removeHandler(counter)
+
+
+@pytest.fixture(scope="module")
+def module_logs() -> Iterator[LogCounter]:
+    """What the services logged over one test module (the fuzz modules check it once at the end)."""
+    with counting_logs() as counter:
+        yield counter
 
 
 @pytest.fixture

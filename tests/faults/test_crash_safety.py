@@ -17,13 +17,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from nats.js.errors import NotFoundError
 
 from proto import UsageRecord, encode, subjects
+from services.accounting.service import USAGE_DURABLE
 from services.common import pool_config
 from services.common.bus import connect, ensure_bus
 from tests.faults.conftest import accounting_proc, procs, sql
 
 KILLS = 12
+# A kill lands inside a config save about 4 times in 10 (two runs of 40 kills: 17 and 14): with 20 kills,
+# the chance that none does is 0.6^20 = 4e-5 (the test requires one).
+CONFIG_KILLS = 20
 
 METRICS_WRITER = """
 import sys
@@ -39,24 +44,35 @@ for v in range(1, 10**9):
     print(v, flush=True)
 """
 
+# The Config page's save, through the real code path: GatewayService.apply_config on a real bus connection
+# (it validates, saves, applies and tells the other gateways), as pages.Pages.config_save calls it.
 CONFIG_WRITER = """
-import json, sys
+import asyncio, sys
 from pathlib import Path
-from services.common.runtime import atomic_write_text
-path = Path(sys.argv[1])
-for v in range(1, 10**9):
-    raw = {"model_pools": {f"p{i}": {"members": [{"model_id": "m", "backend": f"http://h{i}:{v}"}]}
-                           for i in range(50)}, "gateway": {"max_concurrent_per_key": v % 1000 + 1}}
-    atomic_write_text(path, json.dumps(raw, indent=2) + "\\n")  # what the Config page's save does
-    print(v, flush=True)
+from services.common.bus import connect
+from services.gateway.service import GatewayConfig, GatewayService
+
+async def main(path, nats_url):
+    nc = await connect(nats_url, "config-writer")
+    gateway = GatewayService(nc, GatewayConfig(gateway_id="crash", port=0, config_path=path,
+                                               data_dir=path.parent.parent / "gw"))
+    for v in range(1, 10**9):
+        raw = {"model_pools": {f"p{i}": {"members": [{"model_id": "m", "backend": f"http://h{i}:{v}"}]}
+                               for i in range(50)}, "gateway": {"max_concurrent_per_key": v % 1000 + 1}}
+        problem = await gateway.apply_config(raw)
+        assert problem is None, problem
+        print(v, flush=True)
+
+asyncio.run(main(Path(sys.argv[1]), sys.argv[2]))
 """
 
 
-def _kill_loop(script: str, path: Path, rng: random.Random) -> Iterator[tuple[int, Path]]:
-    """Run the writer KILLS times, SIGKILL each at a random moment; yield (last printed version, path) after
+def _kill_loop(script: str, path: Path, rng: random.Random, *args: str, kills: int = KILLS
+               ) -> Iterator[tuple[int, Path]]:
+    """Run the writer ``kills`` times, SIGKILL each at a random moment; yield (last printed version, path) after
     each kill, before the next writer starts."""
-    for _ in range(KILLS):
-        proc = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, text=True,
+    for _ in range(kills):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(path), *args], stdout=subprocess.PIPE, text=True,
                                 cwd=Path(__file__).resolve().parents[2])
         assert proc.stdout is not None
         first = proc.stdout.readline()  # at least one version written: the interpreter has started
@@ -82,14 +98,21 @@ def test_kill_9_during_metrics_state_writes_leaves_the_old_or_the_new_state(tmp_
 
 
 @pytest.mark.slow
-def test_kill_9_during_config_saves_leaves_the_old_or_the_new_pools_file(tmp_path: Path) -> None:
-    path = tmp_path / "pools.json"
-    for last_done, _ in _kill_loop(CONFIG_WRITER, path, random.Random(7)):
+def test_kill_9_during_config_saves_leaves_the_old_or_the_new_pools_file(nats_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "config" / "pools.json"  # alone in its folder: anything else there is a save in progress
+    path.parent.mkdir()
+    mid_save, seen = 0, set()
+    for last_done, _ in _kill_loop(CONFIG_WRITER, path, random.Random(7), nats_server.url, kills=CONFIG_KILLS):
         config = pool_config.load(path)  # parses and validates
         assert config.limits.max_concurrent_per_key - 1 in (last_done % 1000, (last_done + 1) % 1000)
-    leftovers = list(tmp_path.glob(".pools.json.*.tmp"))
-    # a kill between mkstemp and rename leaves a temp file: harmless for the pools file, counted in the report
-    print(f"\nFIGURES crash-config: kills={KILLS} corrupt=0 leftover_temp_files={len(leftovers)}")
+        others = {p for p in path.parent.iterdir() if p != path}
+        mid_save += bool(others - seen)  # this kill left a new one behind
+        seen |= others
+    # Kills that landed inside a save, between the temp file's creation and the rename. A save that wrote
+    # pools.json in place would have been cut there, leaving half a file, which load() above refuses; a save
+    # that wrote no temp file at all fails this line (the kills found no save in progress to interrupt).
+    assert mid_save >= 1, "no kill landed inside a save"
+    print(f"\nFIGURES crash-config: kills={CONFIG_KILLS} corrupt=0 kills_inside_a_save={mid_save}")
 
 
 @pytest.mark.slow
@@ -100,6 +123,7 @@ async def test_kill_9_during_duckdb_batches_loses_and_doubles_nothing(nats_serve
     await ensure_bus(nc)
     published = 0
     kills = 4
+    unacked: list[int] = []  # per kill: messages delivered to the killed process and never acked
 
     async def publish(n: int) -> None:
         nonlocal published
@@ -121,9 +145,17 @@ async def test_kill_9_during_duckdb_batches_loses_and_doubles_nothing(nats_serve
                 accounting = accounting_proc(nats_server.url, db, tmp_path / "acct")
                 started.append(accounting)
                 await publish(3000)  # a backlog: the service ingests it in batches of 512
+                pending_before, delivered_before = await _consumer_state(nc)
                 await accounting.start()
-                await asyncio.sleep(rng.uniform(0.0, 0.6))
+                async with asyncio.timeout(30):  # it has fetched its first batch: ingesting the backlog now
+                    while (await _consumer_state(nc))[1] == delivered_before:
+                        await asyncio.sleep(0.01)
+                await asyncio.sleep(rng.uniform(0.0, 0.3))
                 accounting.kill()  # mid-batch, most likely
+                # messages handed to this process and never acked: a batch was in flight when it died. (A lower
+                # bound: an earlier kill's batch, redelivered to this process after the ack wait and acked,
+                # lowers the difference; the first kill has no earlier one.)
+                unacked.append((await _consumer_state(nc))[0] - pending_before)
             accounting = accounting_proc(nats_server.url, db, tmp_path / "acct")
             started.append(accounting)
             await accounting.start()  # the file opens: no corruption
@@ -136,6 +168,18 @@ async def test_kill_9_during_duckdb_batches_loses_and_doubles_nothing(nats_serve
                         break
                     await asyncio.sleep(0.5)
             assert counts == [published, published]
-            print(f"\nFIGURES crash-duckdb: kills={kills} records={published} in_ledger={counts[0]} lost=0 doubled=0")
+            mid_batch = sum(n > 0 for n in unacked)
+            assert mid_batch >= 1, unacked  # the test is about kills inside a batch: at least one landed there
+            print(f"\nFIGURES crash-duckdb: kills={kills} kills_mid_batch={mid_batch} unacked_at_kill={unacked}"
+                  f" records={published} in_ledger={counts[0]} lost=0 doubled=0")
     finally:
         await nc.close()
+
+
+async def _consumer_state(nc) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Accounting's usage consumer: (messages delivered and not acked, deliveries so far); (0, 0) before it exists."""
+    try:
+        info = await nc.jetstream().consumer_info(subjects.STREAM_USAGE, USAGE_DURABLE)
+    except NotFoundError:
+        return 0, 0
+    return int(info.num_ack_pending), int(info.delivered.consumer_seq or 0)

@@ -1,12 +1,15 @@
-"""Issue #12 (1): an engine worker is SIGKILLed while requests stream through the gateway.
+"""Issue #12 (1): an engine worker is SIGKILLed while requests stream through the gateway, and an idle one is
+SIGKILLed with nobody sending it anything.
 
 Two real engine processes on a real nats-server, the gateway in process. Heartbeats every 0.25 s and a
 gateway staleness threshold of two heartbeat intervals (``--stale-after 0.5``): the figures in
-docs/reliability.md come from this test.
+docs/reliability.md come from this test. The idle case runs the engine and the gateway as their real
+commands with default flags.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import time
@@ -15,7 +18,7 @@ import aiohttp
 import pytest
 
 from tests.faults.client import Result, chat_body, post
-from tests.faults.conftest import engine_proc, gateway_in_process, procs, read_usage, wait_until
+from tests.faults.conftest import engine_proc, gateway_in_process, gateway_proc, procs, read_usage, wait_until
 
 HEARTBEAT_S = 0.25
 STALE_AFTER_S = 2 * HEARTBEAT_S
@@ -123,3 +126,50 @@ async def _usage_of(nats_url: str, n: int):  # type: ignore[no-untyped-def]
             await asyncio.sleep(0.1)
     assert len(records) == n and len({r.request_id for r in records}) == n
     return records
+
+
+# The engine's own default (services/engine/__main__.py --heartbeat-interval), which its heartbeats advertise.
+DEFAULT_HEARTBEAT_S = 0.5
+# Scheduling allowance on top of two intervals: the gateway's own slack (load_score.STALE_SLACK_S, 0.2 s), this
+# test's poll of /backends every 0.05 s, and an HTTP round trip on a loaded 2-core machine.
+STALE_ALLOWANCE_S = 0.5
+
+
+@pytest.mark.slow
+async def test_an_idle_engine_killed_is_shown_stale_within_two_heartbeat_intervals(
+        nats_server, tiny_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Default flags everywhere and no traffic after the kill: only missed heartbeats can tell the gateway."""
+    from services.engine.__main__ import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["model"]).heartbeat_interval == DEFAULT_HEARTBEAT_S
+    with procs() as started:
+        engine = engine_proc(tiny_model, nats_server.url, "e1", tmp_path / "e1")
+        gateway = gateway_proc(nats_server.url, tmp_path / "gw")
+        started += [engine, gateway]
+        await asyncio.gather(engine.start(), gateway.start())
+        key = gateway.followed.line_with("API key").split("API key ", 1)[1].split(";", 1)[0]  # type: ignore[union-attr]
+        headers = {"Authorization": f"Bearer {key}", "Accept": "application/json"}
+        async with aiohttp.ClientSession() as http:
+            async def row() -> dict | None:  # type: ignore[type-arg]
+                async with http.get(gateway.url + "/backends", headers=headers) as resp:
+                    assert resp.status == 200
+                    members = (await resp.json())["members"]
+                return next((m for m in members if m["member_id"] == "e1"), None)
+
+            async with asyncio.timeout(30):
+                while (found := await row()) is None or found["stale"] or found["down"]:
+                    await asyncio.sleep(0.05)
+            engine.kill()
+            killed_at = time.monotonic()
+            seen: dict | None = None  # type: ignore[type-arg]
+            async with asyncio.timeout(10):  # the old fixed threshold (3 s) would be measured, not hang
+                while not ((seen := await row()) and (seen["stale"] or seen["down"])):
+                    await asyncio.sleep(0.05)
+            stale_s = time.monotonic() - killed_at
+    bound_s = 2 * DEFAULT_HEARTBEAT_S + STALE_ALLOWANCE_S
+    print(f"\nFIGURES idle-engine-stale: heartbeat_s={DEFAULT_HEARTBEAT_S} stale_after_kill_s={stale_s:.2f}"
+          f" heartbeat_age_s={seen['heartbeat_age_s']:.2f} down={seen['down']} bound_s={bound_s}")
+    assert stale_s <= bound_s, (stale_s, seen)
+    assert seen["stale"] and not seen["down"]  # nothing was sent to it: staleness, not a failed request, told

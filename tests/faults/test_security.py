@@ -1,29 +1,34 @@
 """Issue #12 (6): nobody gets in who should not, and nothing secret reaches a log.
 
-The gateway in process (pages, admin JSON, static files, sign-in), and the accounting service in process
-for the SQL subject ``llm.v1.accounting.sql``.
+The gateway in process (pages, admin JSON, static files, sign-in; one pool with an HTTP member, so requests
+are served and logged), and the accounting service in process for the SQL subject ``llm.v1.accounting.sql``
+and for its HTTP endpoints, whose keys the gateway checks over the bus.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import inspect
 import logging
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
 from services.accounting.service import AccountingConfig, AccountingService
 from services.common.bus import connect
+from services.common.http import serving
 from services.gateway import auth as auth_module
 from services.gateway import identity as identity_module
 from services.gateway.auth import LOGIN_CSRF_COOKIE, SESSION_COOKIE
 from services.gateway.identity import hash_password
-from tests.faults.conftest import gateway_in_process, sql
+from tests.faults.conftest import WATCH, gateway_in_process, sql
+from tests.faults.threaded import member_app
 
 USER_PASSWORD = "bob-password-123"
 
@@ -58,7 +63,8 @@ async def _csrf_of(http: aiohttp.ClientSession, url: str, cookie: str) -> str:
 async def test_admin_routes_static_files_csrf_and_sessions_let_no_one_in(
         nats_server, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
     caplog.set_level(logging.DEBUG)
-    async with gateway_in_process(nats_server.url, tmp_path / "gw") as g, \
+    async with serving(member_app(), "127.0.0.1", 0) as member_url, \
+            gateway_in_process(nats_server.url, tmp_path / "gw", _pool(member_url)) as g, \
             aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
         gw, url = g.gateway, g.url
         admin_password = gw.bootstrap[0]  # type: ignore[index]
@@ -79,7 +85,8 @@ async def test_admin_routes_static_files_csrf_and_sessions_let_no_one_in(
                   "user session": _cookie(bob_cookie), "user API key": {"Authorization": f"Bearer {bob_key}"},
                   "bad key": {"Authorization": "Bearer sk-nope"}}
         tried = 0
-        for method, path in admin_routes:
+        for method, route in admin_routes:
+            path = re.sub(r"\{[^}]+\}", "key_0", route)  # a value for each path parameter ({key_id})
             for accept in ("text/html", "application/json"):
                 for who, headers in forged.items():
                     async with http.request(method, url + path, headers={"Accept": accept, **headers}, data=b"x=1",
@@ -138,6 +145,10 @@ async def test_admin_routes_static_files_csrf_and_sessions_let_no_one_in(
             async with http.post(url + "/v1/chat/completions", json={"model": "nope", "messages": []},
                                  headers={"Authorization": f"Bearer {key}"}) as resp:
                 assert resp.status in (400, 401, 404)
+        for key in (g.api_key, bob_key, new_key):  # served: the access log writes its line for each
+            async with http.post(url + "/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}",
+                                                                                   "X-Session-Id": "s1"}) as resp:
+                assert resp.status == 200, await resp.text()
         async with http.get(url + "/backends", headers={"Authorization": f"Bearer {g.api_key}",
                                                         "Accept": "application/json"}) as resp:
             assert resp.status == 200
@@ -146,14 +157,26 @@ async def test_admin_routes_static_files_csrf_and_sessions_let_no_one_in(
     secrets_used = {"admin password": admin_password, "user password": USER_PASSWORD, "wrong password":
                     "a-wrong-password", "bootstrap key": g.api_key, "user key": bob_key, "new key": new_key,
                     "admin session": admin_cookie, "user session": again, "session token": token}
+    for what, value in secrets_used.items():
+        WATCH.add(what, value)  # the run-wide check (tests/faults/conftest.py) looks for them too
     logged = "\n".join(f"{r.name} {r.getMessage()} {r.exc_text or ''}" for r in caplog.records)
     assert caplog.records  # the check looks at a real log (DEBUG and up, every logger)
+    served = [r for r in caplog.records if r.name == "llmgw.access" and "http=200" in r.getMessage()]
+    assert len(served) >= 3, "the access lines of the served requests are among the records checked"
     leaked = [name for name, value in secrets_used.items() if value in logged]
     assert leaked == []
     printed = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("llmgw gateway: first start")]
     assert not [name for name, value in secrets_used.items() if any(value in ln for ln in printed)]
     print(f"\nFIGURES security: admin_route_attempts={tried} traversal_paths={len(traversals)} csrf_attempts=7"
-          f" log_records_checked={len(caplog.records)} secrets_found_in_logs=0")
+          f" log_records_checked={len(caplog.records)} access_lines_200={len(served)} secrets={len(secrets_used)}"
+          f" secrets_found_in_logs=0")
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+def _pool(member_url: str) -> dict[str, Any]:
+    return {"model_pools": {"m": {"members": [{"model_id": "m", "backend": member_url}]}}}
 
 
 def gw_app_routes(g):  # type: ignore[no-untyped-def]
@@ -228,3 +251,58 @@ async def test_the_sql_subject_allows_one_read_only_select_within_a_time_limit(n
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await nc.close()
+
+
+@pytest.mark.slow
+async def test_accountings_http_endpoints_let_only_an_admin_key_in(nats_server, tmp_path: Path) -> None:
+    """``POST /sql`` and ``GET /costs``: forged, malformed, wrong, revoked and user credentials are refused."""
+    async with gateway_in_process(nats_server.url, tmp_path / "gw") as g:  # answers the key checks on the bus
+        identity = g.gateway.identity
+        bob = identity.create_user("bob", hash_password(USER_PASSWORD), "user")
+        bob_key, _ = identity.create_key(bob.user_id, "bob's", None, time.time())
+        admin = next(u for u in identity.users() if u.role == "admin")
+        revoked_key, revoked = identity.create_key(admin.user_id, "old", None, time.time())
+        identity.revoke_key(revoked.key_id, time.time())
+        admin_password = g.gateway.bootstrap[0]  # type: ignore[index]
+        for what, value in (("user key", bob_key), ("revoked admin key", revoked_key)):
+            WATCH.add(what, value)
+        nc = await connect(nats_server.url, "accounting")
+        accounting = AccountingService(nc, AccountingConfig(db_path=tmp_path / "ledger.duckdb", port=0))
+        task = asyncio.create_task(accounting.run())
+        try:
+            await asyncio.wait_for(accounting.ready.wait(), 30)
+            basic = base64.b64encode(f"admin:{admin_password}".encode()).decode()
+            refused = {
+                "no header": ({}, 401), "empty bearer": ({"Authorization": "Bearer "}, 401),
+                "garbage": ({"Authorization": "Bearer garbage"}, 401),
+                "Basic with the admin password": ({"Authorization": f"Basic {basic}"}, 401),
+                "Token scheme with the admin key": ({"Authorization": f"Token {g.api_key}"}, 401),
+                "the admin key without a scheme": ({"Authorization": g.api_key}, 401),
+                "no space after Bearer": ({"Authorization": f"Bearer{g.api_key}"}, 401),
+                "the admin key with a byte more": ({"Authorization": f"Bearer {g.api_key}x"}, 401),
+                "the admin key cut short": ({"Authorization": f"Bearer {g.api_key[:-1]}"}, 401),
+                "a wrong key": ({"Authorization": "Bearer sk-" + "A" * 40}, 401),
+                "a revoked admin key": ({"Authorization": f"Bearer {revoked_key}"}, 401),
+                "the key in another header": ({"X-API-Key": g.api_key}, 401),
+                "a user's key": ({"Authorization": f"Bearer {bob_key}"}, 403),
+            }
+            tried = 0
+            async with aiohttp.ClientSession() as http:
+                for name, (headers, expected) in {**refused, "the admin key": (
+                        {"Authorization": f"Bearer {g.api_key}"}, 200)}.items():
+                    for method, path, body in (("POST", "/sql", {"sql": "SELECT count(*) FROM requests"}),
+                                               ("GET", "/costs", None)):
+                        async with http.request(method, accounting.url + path, json=body, headers=headers) as resp:
+                            tried += 1
+                            answer = await resp.json()
+                            assert resp.status == expected, (name, path, resp.status, answer)
+                            if expected == 200:
+                                assert "error" not in answer and (path != "/sql" or answer["rows"] == [[0]])
+                            else:
+                                assert set(answer["error"]) == {"message", "type", "param", "code"}, answer
+            print(f"\nFIGURES accounting-auth: attempts={tried} refused={2 * len(refused)} admin_ok=2")
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await nc.close()

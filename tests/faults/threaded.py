@@ -1,18 +1,21 @@
-"""A gateway (with one OpenAI-shaped HTTP member that always answers) on its own event loop in a thread, so
-synchronous property-based tests (hypothesis) can hammer it with a plain HTTP client."""
+"""A gateway (with one OpenAI-shaped HTTP member that always answers), and optionally the accounting service
+with its HTTP server, on their own event loop in a thread, so synchronous property-based tests (hypothesis)
+can hammer them with a plain HTTP client."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from services.accounting.service import AccountingConfig, AccountingService
+from services.common.bus import connect, ensure_bus
 from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer
 from tests.faults.conftest import InProcessGateway, gateway_in_process
@@ -32,7 +35,8 @@ async def _member_chat(request: web.Request) -> web.Response:
                               "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
 
-def _member_app() -> web.Application:
+def member_app() -> web.Application:
+    """An OpenAI-shaped HTTP member that answers every chat, completion and embeddings request with 200."""
     app = web.Application()
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
         app.router.add_post(path, _member_chat)
@@ -44,6 +48,8 @@ class ThreadedGateway:
     url: str
     gw: InProcessGateway
     loop: asyncio.AbstractEventLoop
+    nats_url: str
+    accounting_url: str | None = None
 
     def call(self, fn: Any) -> Any:
         """Run ``fn()`` on the gateway's loop and return its result (for inspecting the service)."""
@@ -52,8 +58,28 @@ class ThreadedGateway:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
 
 
+@contextlib.asynccontextmanager
+async def _accounting(nats_url: str, tmp: Path) -> AsyncIterator[str]:
+    """The accounting service in process with its HTTP server (``POST /sql``, ``GET /costs``) on port 0."""
+    nc = await connect(nats_url, "accounting")
+    try:
+        await ensure_bus(nc)
+        service = AccountingService(nc, AccountingConfig(db_path=tmp / "ledger.duckdb", port=0, query_timeout_s=2.0))
+        task = asyncio.create_task(service.run())
+        try:
+            await asyncio.wait_for(service.ready.wait(), 30)
+            assert service.url is not None
+            yield service.url
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    finally:
+        await nc.close()
+
+
 @contextlib.contextmanager
-def threaded_gateway(tmp: Path, **config: Any) -> Iterator[ThreadedGateway]:
+def threaded_gateway(tmp: Path, with_accounting: bool = False, **config: Any) -> Iterator[ThreadedGateway]:
     ready: dict[str, Any] = {}
     started = threading.Event()
     loop = asyncio.new_event_loop()
@@ -63,10 +89,11 @@ def threaded_gateway(tmp: Path, **config: Any) -> Iterator[ThreadedGateway]:
         try:
             async with contextlib.AsyncExitStack() as es:
                 server = await es.enter_async_context(EmbeddedNatsServer(tmp / "nats"))
-                member_url = await es.enter_async_context(serving(_member_app(), "127.0.0.1", 0))
+                member_url = await es.enter_async_context(serving(member_app(), "127.0.0.1", 0))
                 raw = {"model_pools": {"m": {"members": [{"model_id": "m", "backend": member_url}]}}}
                 gw = await es.enter_async_context(gateway_in_process(server.url, tmp / "gw", raw, **config))
-                ready["tg"] = ThreadedGateway(gw.url, gw, loop)
+                accounting_url = await es.enter_async_context(_accounting(server.url, tmp)) if with_accounting else None
+                ready["tg"] = ThreadedGateway(gw.url, gw, loop, server.url, accounting_url)
                 started.set()
                 await stop.wait()
         except BaseException as exc:
