@@ -88,6 +88,16 @@ def nats_url_from_env(flag: str | None) -> str | None:
     return flag or os.environ.get("NATS_URL") or None
 
 
+async def drain_quietly(nc: Client) -> None:
+    """At shutdown: drain the connection, or just close it when the server is gone already (``llmgw up``
+    stops everything at once on Ctrl-C); never a traceback for that."""
+    try:
+        await nc.drain()
+    except Exception:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
 @contextlib.asynccontextmanager
 async def bus_session(url: str | None, name: str, data_dir: Path) -> AsyncIterator[Client]:
     """Connect to ``url``; when None, run an embedded nats-server for the session's lifetime."""
@@ -100,5 +110,4 @@ async def bus_session(url: str | None, name: str, data_dir: Path) -> AsyncIterat
             await ensure_bus(nc)
             yield nc
         finally:
-            with contextlib.suppress(Exception):
-                await nc.drain()
+            await drain_quietly(nc)

@@ -81,6 +81,9 @@ class EmbeddedNatsServer:
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
             preexec_fn=_set_parent_death_signal if os.name == "posix" else None,
+            # not in the terminal's process group: Ctrl-C reaches our process, which stops the services
+            # that use the bus first and the server last (they drain instead of losing it mid-shutdown)
+            start_new_session=True,
         )
         assert self._proc.stderr is not None
         tail: list[bytes] = []

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from proto import subjects
-from services.common.bus import connect, ensure_bus
+from services.common.bus import connect, drain_quietly, ensure_bus
 from services.common.runtime import (
     ConfigError,
     announce,
@@ -218,7 +218,7 @@ async def run(args: argparse.Namespace) -> None:
             where = f"listening on {url} (model {core.model_id})"
             if nats_url:
                 nc = await connect(nats_url, f"engine:{worker_config.worker_id}")
-                stack.push_async_callback(nc.drain)
+                stack.push_async_callback(drain_quietly, nc)
                 await ensure_bus(nc)
                 service.nc = nc
                 worker = BusWorker(nc, engine, worker_config)

@@ -13,13 +13,16 @@ REPO = Path(__file__).resolve().parents[2]
 class Followed:
     """A subprocess whose combined output is collected line by line on a thread."""
 
-    def __init__(self, argv: Sequence[str], marker: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: Sequence[str], marker: str, env: dict[str, str] | None = None,
+                 own_group: bool = False) -> None:
+        """``own_group``: the process leads a process group of its own, like a job in a terminal, so
+        ``os.killpg(proc.pid, SIGINT)`` is what Ctrl-C does there."""
         self.marker = marker
         self.lines: list[str] = []
         self.ready = threading.Event()
         self.changed = threading.Condition()
         self.proc = subprocess.Popen(list(argv), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=own_group)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 

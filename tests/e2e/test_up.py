@@ -47,7 +47,8 @@ def test_llmgw_up_serves_a_request_records_usage_and_stops_everything(tiny_model
     data = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
     stack = Followed([sys.executable, "-m", "services.common.cli", "up", "--model", str(tiny_model), "--model-id",
-                      "tiny", "--port", "0", "--data-dir", str(data)], marker="llmgw is up.", env=env)
+                      "tiny", "--port", "0", "--data-dir", str(data)], marker="llmgw is up.", env=env,
+                     own_group=True)
     proc = stack.proc
     try:
         url = stack.wait_ready(120).split("Gateway: ", 1)[1].split()[0]
@@ -84,7 +85,7 @@ def test_llmgw_up_serves_a_request_records_usage_and_stops_everything(tiny_model
                                  text=True, timeout=60)
         assert refused.returncode != 0 and "only read-only SELECT" in refused.stderr
     finally:
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group gets it
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -92,6 +93,7 @@ def test_llmgw_up_serves_a_request_records_usage_and_stops_everything(tiny_model
             raise
     stack.reader.join(5)
     assert proc.returncode == 0, stack.output[-3000:]
+    assert "Traceback" not in stack.output, stack.output[-3000:]  # every service stops cleanly
     leftovers = [pid for pid in children if _alive(pid)]
     assert leftovers == [], f"processes left running after Ctrl-C: {leftovers}"
     # After the stack stopped, the ledger is still queryable straight from the file.
