@@ -14,6 +14,7 @@ import inspect
 import logging
 import re
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import aiohttp
 import pytest
 
 from services.accounting.service import AccountingConfig, AccountingService
-from services.common.bus import connect
+from services.common.bus import connect, ensure_bus
 from services.common.http import serving
 from services.gateway import auth as auth_module
 from services.gateway import identity as identity_module
@@ -199,17 +200,28 @@ def test_api_keys_and_tokens_are_compared_without_timing_leaks() -> None:
     assert "compare_digest" in login and "token != " not in login
 
 
-@pytest.mark.slow
-async def test_the_sql_subject_allows_one_read_only_select_within_a_time_limit(nats_server, tmp_path: Path) -> None:
-    nc = await connect(nats_server.url, "accounting")
-    from services.common.bus import ensure_bus
+@contextlib.asynccontextmanager
+async def running_accounting(nats_url: str, config: AccountingConfig) -> AsyncIterator[AccountingService]:
+    """An accounting service in this process on its own bus connection, ready, stopped on exit."""
+    nc = await connect(nats_url, "accounting")
     await ensure_bus(nc)
-    accounting = AccountingService(nc, AccountingConfig(db_path=tmp_path / "ledger.duckdb", query_timeout_s=1.0,
-                                                        fetch_timeout_s=0.2))
+    accounting = AccountingService(nc, config)
     task = asyncio.create_task(accounting.run())
-    outside = tmp_path / "outside"
     try:
         await asyncio.wait_for(accounting.ready.wait(), 30)
+        yield accounting
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await nc.close()
+
+
+@pytest.mark.slow
+async def test_the_sql_subject_allows_one_read_only_select_within_a_time_limit(nats_server, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    async with running_accounting(nats_server.url, AccountingConfig(
+            db_path=tmp_path / "ledger.duckdb", query_timeout_s=1.0, fetch_timeout_s=0.2)):
         escapes = {
             "delete": "DELETE FROM requests",
             "insert": "INSERT INTO requests (request_id) VALUES ('x')",
@@ -246,11 +258,6 @@ async def test_the_sql_subject_allows_one_read_only_select_within_a_time_limit(n
         assert reply["rows"] == [[0]]  # still there, still answering
         assert not list(tmp_path.glob("outside*"))
         print(f"\nFIGURES sql-escapes: refused={len(escapes)} long_query_interrupted_after_s={interrupted_after_s:.2f}")
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await nc.close()
 
 
 @pytest.mark.slow
@@ -266,11 +273,8 @@ async def test_accountings_http_endpoints_let_only_an_admin_key_in(nats_server, 
         admin_password = g.gateway.bootstrap[0]  # type: ignore[index]
         for what, value in (("user key", bob_key), ("revoked admin key", revoked_key)):
             WATCH.add(what, value)
-        nc = await connect(nats_server.url, "accounting")
-        accounting = AccountingService(nc, AccountingConfig(db_path=tmp_path / "ledger.duckdb", port=0))
-        task = asyncio.create_task(accounting.run())
-        try:
-            await asyncio.wait_for(accounting.ready.wait(), 30)
+        async with running_accounting(nats_server.url,
+                                      AccountingConfig(db_path=tmp_path / "ledger.duckdb", port=0)) as accounting:
             basic = base64.b64encode(f"admin:{admin_password}".encode()).decode()
             refused = {
                 "no header": ({}, 401), "empty bearer": ({"Authorization": "Bearer "}, 401),
@@ -301,8 +305,3 @@ async def test_accountings_http_endpoints_let_only_an_admin_key_in(nats_server, 
                             else:
                                 assert set(answer["error"]) == {"message", "type", "param", "code"}, answer
             print(f"\nFIGURES accounting-auth: attempts={tried} refused={2 * len(refused)} admin_ok=2")
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await nc.close()
