@@ -44,13 +44,15 @@ def energy_problem(s: EnergySample) -> str | None:
     return _first(
         _timestamp("ts_s", s.ts_s),
         _integer("seq", s.seq, 0, MAX_INT64),
-        *(_integer(f"readings[{r.device_id!r}].{name}", value, 0, MAX_INT64)
+        # One count per running request, on the ingest path: a field's label is formatted only when it fails.
+        *(_outside(f"readings[{r.device_id!r}].{name}", value, 0, MAX_INT64)
           for r in s.readings for name, value in (
               ("energy_mj", r.energy_mj), ("max_range_mj", r.max_range_mj), ("power_mw", r.power_mw))
-          if value is not None),
-        *(_integer(f"request_tokens[{t.request_id!r}].{name}", value, 0, MAX_TOKENS)
+          if value is not None and not 0 <= value <= MAX_INT64),
+        *(_outside(f"request_tokens[{t.request_id!r}].{name}", value, 0, MAX_TOKENS)
           for t in s.request_tokens for name, value in (
-              ("prompt_tokens", t.prompt_tokens), ("output_tokens", t.output_tokens))),
+              ("prompt_tokens", t.prompt_tokens), ("output_tokens", t.output_tokens))
+          if not 0 <= value <= MAX_TOKENS),
     )
 
 
@@ -71,6 +73,8 @@ def _finite(name: str, value: float, lo: float, hi: float) -> str | None:
 
 
 def _integer(name: str, value: int, lo: int, hi: int) -> str | None:
-    if not lo <= value <= hi:
-        return f"{name} {value} is outside [{lo}, {hi}]"
-    return None
+    return None if lo <= value <= hi else _outside(name, value, lo, hi)
+
+
+def _outside(name: str, value: int, lo: int, hi: int) -> str:
+    return f"{name} {value} is outside [{lo}, {hi}]"

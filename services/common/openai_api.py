@@ -194,7 +194,12 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
 
 # Parameters that change what a reply must be, each with the test for a value that asks for something:
 # accepting such a request and ignoring the parameter would hand the client a silently wrong answer.
-_CHAT_ONLY: dict[str, Callable[[Any], bool]] = {
+_BOTH: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": bool,
+    "min_p": lambda v: v not in (None, 0),
+}
+_CHAT_CHECKS: dict[str, Callable[[Any], bool]] = {
+    **_BOTH,
     "tools": bool, "functions": bool,
     "tool_choice": lambda v: v not in (None, "none"),
     "function_call": lambda v: v not in (None, "none"),
@@ -203,18 +208,15 @@ _CHAT_ONLY: dict[str, Callable[[Any], bool]] = {
     "audio": lambda v: v is not None,
     "prediction": lambda v: v is not None,
 }
-_COMPLETIONS_ONLY: dict[str, Callable[[Any], bool]] = {
+_COMPLETIONS_CHECKS: dict[str, Callable[[Any], bool]] = {
+    **_BOTH,
     "echo": bool, "suffix": bool,
     "best_of": lambda v: v not in (None, 1),
-}
-_BOTH: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": bool,
-    "min_p": lambda v: v not in (None, 0, 0.0),
 }
 
 
 def _unsupported(body: dict[str, Any], endpoint: str) -> tuple[str, ...]:
-    checks = {**_BOTH, **(_CHAT_ONLY if endpoint == "chat.completions" else _COMPLETIONS_ONLY)}
+    checks = _CHAT_CHECKS if endpoint == "chat.completions" else _COMPLETIONS_CHECKS
     return tuple(name for name, asks in checks.items() if name in body and asks(body[name]))
 
 

@@ -113,16 +113,16 @@ class StreamInterval:
 def run_step_loop(core: EngineCore, clock: Callable[[], float], next_command: Callable[[float], _Command],
                   on_added: Callable[[str, BaseException | None], None],
                   publish: Callable[[list[RequestOutput], EngineSnapshot, bool], None],
-                  on_step_error: Callable[[BaseException], None], stream_interval_s: float = 0.0) -> None:
+                  on_step_error: Callable[[BaseException], None]) -> None:
     """Take commands, step while there is work, publish the steps' outputs with a fresh snapshot.
 
     ``next_command(timeout_s)`` returns the next command, waiting up to ``timeout_s`` (0: not at all), and
     raises :class:`queue.Empty` when none came. ``publish(outputs, snapshot, changed)`` is called after any
-    step that released outputs (see :class:`StreamInterval`) or changed the scheduler's state. A step that
-    raises is reported to ``on_step_error``; every request is then aborted, so no client hangs, and the
-    loop goes on.
+    step that released outputs (see :class:`StreamInterval`; the core's ``config.stream_interval_ms``) or
+    changed the scheduler's state. A step that raises is reported to ``on_step_error``; every request is
+    then aborted, so no client hangs, and the loop goes on.
     """
-    interval = StreamInterval(stream_interval_s)
+    interval = StreamInterval(core.config.stream_interval_ms / 1000.0)
     last_key: tuple[int, ...] | None = None
     while True:
         outputs: list[RequestOutput] = []
@@ -306,8 +306,7 @@ class AsyncEngine(EngineHandle):
         def on_step_error(exc: BaseException) -> None:
             self.step_error = exc
 
-        run_step_loop(self.core, self.clock, next_command, on_added, publish, on_step_error,
-                      self.core.config.stream_interval_ms / 1000.0)
+        run_step_loop(self.core, self.clock, next_command, on_added, publish, on_step_error)
 
 
 # ---- the core in a child process -------------------------------------------------------------------------
@@ -407,8 +406,7 @@ def _child_main(config: EngineConfig, conn: Connection) -> None:
         replies.put(_Failed(_portable(exc)))
 
     try:
-        run_step_loop(core, clock, next_command, on_added, publish, on_step_error,
-                      config.stream_interval_ms / 1000.0)
+        run_step_loop(core, clock, next_command, on_added, publish, on_step_error)
     finally:
         replies.close()
 

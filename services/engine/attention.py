@@ -353,15 +353,20 @@ def _build_decode_batch(
     tables = (block_tables if index is None else block_tables[index])[:, :num_blocks]
     offsets = torch.arange(block_size, dtype=torch.long, device=device)
     slots = (tables[:, :, None] * block_size + offsets).reshape(len(indices), -1)[:, :max_len]
-    padding = None
-    if min(lens) != max_len:
-        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
-        padding = torch.arange(max_len, device=device)[None, :] >= lens_t[:, None]
     rows = torch.tensor([query_start_loc[i] for i in indices], dtype=torch.long, device=device)
     return DecodeBatch(
-        seq_indices=tuple(indices), token_rows=rows, slots=slots, padding=padding, is_whole_step=is_whole_step,
-        groups=_length_groups(lens, slots),
+        seq_indices=tuple(indices), token_rows=rows, slots=slots, padding=_padding(lens, device),
+        is_whole_step=is_whole_step, groups=_length_groups(lens, slots),
     )
+
+
+def _padding(lens: list[int], device: torch.device) -> torch.Tensor | None:
+    """``[len(lens), max(lens)]`` bool, True past each row's length; None when no row is padded."""
+    width = max(lens)
+    if min(lens) == width:
+        return None
+    lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+    return torch.arange(width, device=device)[None, :] >= lens_t[:, None]
 
 
 # Split the decode rows in two groups only when that removes at least this share of the padded positions
@@ -388,13 +393,9 @@ def _length_groups(lens: list[int], slots: torch.Tensor) -> tuple[DecodeGroup, .
     groups = []
     for part in (order[:best_k], order[best_k:]):
         part_lens = [lens[i] for i in part]
-        width = max(part_lens)
         index = torch.tensor(part, dtype=torch.long, device=device)
-        padding = None
-        if min(part_lens) != width:
-            lens_t = torch.tensor(part_lens, dtype=torch.long, device=device)
-            padding = torch.arange(width, device=device)[None, :] >= lens_t[:, None]
-        groups.append(DecodeGroup(rows=index, slots=slots.index_select(0, index)[:, :width], padding=padding))
+        groups.append(DecodeGroup(rows=index, slots=slots.index_select(0, index)[:, : max(part_lens)],
+                                  padding=_padding(part_lens, device)))
     return tuple(groups)
 
 
@@ -487,7 +488,7 @@ def _decode_attention(q: torch.Tensor, decode: DecodeBatch, kv_cache: KVCache, l
     """Attention of every decode sequence's one query over its cached context: ``[Bd, Hq, D]``.
 
     One gather of all contexts (padded to the longest, see DecodeBatch) and one SDPA call, masked only
-    when some row is padded.
+    when some row is padded; or one of each per length group when the batch has ``groups``.
     """
     rows = q if decode.is_whole_step else q[decode.token_rows]
     if decode.groups is None:

@@ -214,8 +214,11 @@ def _histories(requests: Sequence[Request | None]) -> list[History | None] | Non
 
 def _history(request: Request) -> History:
     params = request.sampling_params
-    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids))
-    return History(request.prompt_token_ids, request.output_token_ids, tuple(sorted(stop_ids)))
+    stop_ids: tuple[int, ...] = ()
+    if request.num_output_tokens < params.min_tokens:  # the only steps that suppress them
+        eos_ids = () if params.ignore_eos else request.eos_token_ids
+        stop_ids = tuple(sorted({*params.stop_token_ids, *eos_ids}))
+    return History(request.prompt_token_ids, request.output_token_ids, stop_ids)
 
 
 class EngineCore(PromptEncoder):

@@ -142,8 +142,7 @@ class ModelRunner:
                 positions=torch.tensor(positions, dtype=long, device=device),
                 slot_mapping=torch.tensor(slots, dtype=long, device=device),
                 seq_lens=torch.tensor([p + 1 for p in positions], dtype=long, device=device),
-                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=long,
-                                          device=device).reshape(len(tables), width),
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=long, device=device),
             )
             # A replayed result lives in the graph's output buffer until the next replay: copy it out.
             return self.graphs.run(inputs).clone()

@@ -25,12 +25,12 @@ import time
 from services.common.runtime import data_dir
 from services.gateway.identity import (
     ROLES,
-    ApiKey,
     IdentityError,
     IdentityStore,
     check_password_rules,
     check_user_name,
     hash_password,
+    parse_daily_quota,
 )
 
 
@@ -44,24 +44,16 @@ def _read_password(from_stdin: bool) -> str:
 
 
 def _quota(text: str) -> int | None:
-    """``N`` tokens per UTC day (1 or more), or ``none`` for no quota."""
+    """``N`` tokens per UTC day (the Users page's rules), or ``none`` for no quota."""
     if text.strip().lower() == "none":
         return None
     try:
-        value = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens or 'none'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("a quota is 1 token or more ('none' for no quota; revoke a key to stop it)")
-    return value
-
-
-def _key_status(key: ApiKey, now_s: float) -> str:
-    if key.revoked_s is not None:
-        return "revoked"
-    if key.expires_s is not None:
-        return "expired" if now_s >= key.expires_s else "rotated"
-    return "active"
+        quota = parse_daily_quota(text)
+    except IdentityError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc.message}") from None
+    if quota is None:
+        raise argparse.ArgumentTypeError("give a number of tokens, or 'none' for no quota")
+    return quota
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                 if args.user is None or names.get(key.user_id) == args.user:
                     quota = "none" if key.daily_quota is None else str(key.daily_quota)
                     print(f"{key.key_id}\t{names.get(key.user_id, '?')}\t{key.name}\t{key.hint}\t{quota}\t"
-                          f"{_key_status(key, now)}")
+                          f"{key.status(now)}")
             return
         if args.command == "set-quota":
             if store.key_by_id(args.key_id) is None:

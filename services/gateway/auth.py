@@ -18,8 +18,8 @@ import ipaddress
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from services.common.http import HTTPError
@@ -32,6 +32,14 @@ SESSION_COOKIE = "llmgw_session"
 LOGIN_CSRF_COOKIE = "llmgw_login"
 FREE_LOGIN_FAILURES = 3
 MAX_LOGIN_DELAY_S = 300.0
+
+
+class KeyUsageSummary(msgspec.Struct):
+    """``llm.v1.quota.<gateway_id>``: the tokens each API key used through one gateway on one UTC day."""
+
+    gateway_id: str
+    day: str
+    tokens: dict[str, int]
 
 
 @dataclass
@@ -151,18 +159,18 @@ class Auth:
             self._used[key.key_id] = self._used.get(key.key_id, 0) + tokens
             self._dirty = True
 
-    def usage_summary(self, now_s: float) -> dict[str, Any]:
+    def usage_summary(self, now_s: float) -> KeyUsageSummary:
         """What each key used through this gateway today (for the other gateways' quota checks)."""
         self._roll_day(now_s)
-        return {"gateway_id": self.gateway_id, "day": self._day, "tokens": dict(self._used)}
+        return KeyUsageSummary(self.gateway_id, self._day, dict(self._used))
 
-    def used_elsewhere(self, gateway_id: str, day: str, tokens: dict[str, int], now_s: float) -> None:
+    def used_elsewhere(self, summary: KeyUsageSummary, now_s: float) -> None:
         """Another gateway's summary: its tokens count against each key's quota here too."""
         self._roll_day(now_s)
-        if day == self._day:
-            self._elsewhere[gateway_id] = tokens
+        if summary.day == self._day:
+            self._elsewhere[summary.gateway_id] = summary.tokens
         else:
-            self._elsewhere.pop(gateway_id, None)
+            self._elsewhere.pop(summary.gateway_id, None)
         total: collections.Counter[str] = collections.Counter()
         for counts in self._elsewhere.values():
             total.update(counts)

@@ -121,6 +121,14 @@ class ApiKey:
     def is_valid(self, now_s: float) -> bool:
         return self.revoked_s is None and (self.expires_s is None or now_s < self.expires_s)
 
+    def status(self, now_s: float) -> str:
+        """``revoked``, ``expired``, ``rotated`` (replaced, still working until ``expires_s``) or ``active``."""
+        if self.revoked_s is not None:
+            return "revoked"
+        if self.expires_s is not None:
+            return "expired" if now_s >= self.expires_s else "rotated"
+        return "active"
+
 
 @dataclass(frozen=True)
 class Session:
@@ -168,6 +176,31 @@ def seconds_to_utc_midnight(now_s: float) -> float:
     day = dt.datetime.fromtimestamp(now_s, dt.UTC).date()
     midnight = dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.UTC)
     return max(1.0, midnight.timestamp() - now_s)
+
+
+MAX_DAILY_QUOTA = 10**12  # tokens; far above any real day, and well inside SQLite's 64-bit INTEGER
+
+
+def parse_daily_quota(text: str) -> int | None:
+    """A daily token quota field: empty → None (no quota), else a whole number of tokens, 1 or more.
+
+    Thousands separators ("1,000" or "1_000") are accepted. Raises IdentityError("daily_quota", why) for
+    anything else, so the form shows the reason next to the field.
+    """
+    text = text.strip().replace(",", "").replace("_", "")
+    if not text:
+        return None
+    digits = text.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit()):
+        raise IdentityError("daily_quota", "must be a whole number of tokens, or empty for no quota")
+    if text.startswith("-"):
+        raise IdentityError("daily_quota", "must not be negative")
+    value = int(text)
+    if value < 1:
+        raise IdentityError("daily_quota", "must be at least 1 token (empty: no quota; to stop a key, revoke it)")
+    if value > MAX_DAILY_QUOTA:
+        raise IdentityError("daily_quota", f"must be at most {MAX_DAILY_QUOTA:,} tokens (empty: no quota)")
+    return value
 
 
 def check_password_rules(password: str) -> None:

@@ -28,6 +28,7 @@ from services.gateway.identity import (
     check_user_name,
     hash_password,
     new_password,
+    parse_daily_quota,
     verify_password,
 )
 
@@ -37,31 +38,8 @@ if TYPE_CHECKING:
 _HERE = Path(__file__).parent
 STYLE = (_HERE / "static" / "style.css").read_bytes()
 GRACE_HOURS_DEFAULT = 24.0
-MAX_DAILY_QUOTA = 10**12  # tokens; far above any real day, and well inside SQLite's 64-bit INTEGER
 COSTS_TIMEOUT_S = 5.0  # the admin costs page waits this long for the accounting service
 OWN_USAGE_TIMEOUT_S = 2.0  # a user's own page shows its keys without the 30-day figures after this
-
-
-def parse_daily_quota(text: str) -> int | None:
-    """A daily token quota field: empty → None (no quota), else a whole number of tokens, 1 or more.
-
-    Thousands separators ("1,000" or "1_000") are accepted. Raises IdentityError("daily_quota", why) for
-    anything else, so the form shows the reason next to the field.
-    """
-    text = text.strip().replace(",", "").replace("_", "")
-    if not text:
-        return None
-    digits = text.removeprefix("-")
-    if not (digits.isascii() and digits.isdigit()):
-        raise IdentityError("daily_quota", "must be a whole number of tokens, or empty for no quota")
-    if text.startswith("-"):
-        raise IdentityError("daily_quota", "must not be negative")
-    value = int(text)
-    if value < 1:
-        raise IdentityError("daily_quota", "must be at least 1 token (empty: no quota; to stop a key, revoke it)")
-    if value > MAX_DAILY_QUOTA:
-        raise IdentityError("daily_quota", f"must be at most {MAX_DAILY_QUOTA:,} tokens (empty: no quota)")
-    return value
 
 
 def _num(value: Any, digits: int = 0, suffix: str = "") -> str:
@@ -338,12 +316,9 @@ class Pages:
         usage, usage_error = await self._own_usage([k.key_id for k in own])
         keys = []
         for k in own:
-            if k.revoked_s is not None:
-                status_text = "revoked"
-            elif k.expires_s is not None:
-                status_text = "expired" if now >= k.expires_s else f"rotated: works until {_utc(k.expires_s)}"
-            else:
-                status_text = "active"
+            status_text = k.status(now)
+            if status_text == "rotated":
+                status_text = f"rotated: works until {_utc(k.expires_s)}"  # type: ignore[arg-type]
             # a key absent from the window had no traffic (0), unless the figures could not be fetched (unknown)
             window = usage.get(k.key_id) or ({} if usage_error else {"tokens": 0, "list_usd": 0.0, "energy_usd": 0.0})
             keys.append({"key_id": k.key_id, "name": k.name, "hint": k.hint, "status": status_text,

@@ -31,7 +31,7 @@ from services.common.http import HTTPError, body_deadline_middleware, error_midd
 from services.common.prom import E2E_BUCKETS_S, Histogram, PromText
 from services.common.runtime import ConfigError, ThrottledLog, atomic_write_text, new_session_id, raise_if_cancelling
 from services.gateway import bus_backend, pools, routing, routing_adapter
-from services.gateway.auth import Auth, parse_networks, save_usage_periodically
+from services.gateway.auth import Auth, KeyUsageSummary, parse_networks, save_usage_periodically
 from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend, MemberUnavailable
 from services.gateway.identity import IdentityStore
@@ -48,14 +48,6 @@ NEGATIVE_AUTH_DELAY_S = 0.25
 # How often each gateway tells the others its per-key token counts (a quota may overrun by this much traffic).
 QUOTA_SHARE_S = 2.0
 _json = msgspec.json.Encoder()
-
-
-class KeyUsageSummary(msgspec.Struct):
-    """``llm.v1.quota.<gateway_id>``: the tokens each API key used through one gateway on one UTC day."""
-
-    gateway_id: str
-    day: str
-    tokens: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -201,11 +193,11 @@ class GatewayService:
 
     async def _share_key_usage(self) -> None:
         """Tell the other gateways what each key used here today, so a quota holds across the fleet."""
-        told: dict[str, Any] | None = None
+        told: KeyUsageSummary | None = None
         while True:
             await asyncio.sleep(QUOTA_SHARE_S)
             summary = self.auth.usage_summary(time.time())
-            if summary["tokens"] and summary != told:
+            if summary.tokens and summary != told:
                 with contextlib.suppress(Exception):  # the bus is down: the next round tells them
                     await self.nc.publish(subjects.quota(self.config.gateway_id), msgspec.json.encode(summary))
                     told = summary
@@ -216,7 +208,7 @@ class GatewayService:
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             return
         if summary.gateway_id != self.config.gateway_id:
-            self.auth.used_elsewhere(summary.gateway_id, summary.day, summary.tokens, time.time())
+            self.auth.used_elsewhere(summary, time.time())
 
     # ---- the pools file ---------------------------------------------------------------------------
 
@@ -255,11 +247,15 @@ class GatewayService:
         self._config_mtime = _mtime(self.config_path)
         log.info("config saved to %s and applied: %d pool(s)", self.config_path, len(parsed.pools))
         if broadcast:
-            try:
-                await self.nc.publish(subjects.CONFIG_CHANGED, pool_config.change_message(self.config.gateway_id, raw))
-            except Exception as exc:
-                log.warning("other gateways not told about the new config (bus: %s); they keep their own", exc)
+            await self._announce_config(raw)
         return None
+
+    async def _announce_config(self, raw: dict[str, Any]) -> None:
+        """Tell telemetry and the other gateways (``llm.v1.config.changed``) that the pools changed."""
+        try:
+            await self.nc.publish(subjects.CONFIG_CHANGED, pool_config.change_message(self.config.gateway_id, raw))
+        except Exception as exc:
+            log.warning("other gateways not told about the new config (bus: %s); they keep their own", exc)
 
     async def _on_config_changed(self, msg: Msg) -> None:
         try:
@@ -328,10 +324,7 @@ class GatewayService:
                 continue  # rewritten with what we have (another gateway saved it into a shared file)
             self._use_file_config(parsed)
             log.info("reloaded %s: %d pool(s)", self.config_path, len(self.file_config.pools))
-            # as for a Config page save: telemetry and the other gateways follow the edited file too
-            with contextlib.suppress(Exception):
-                await self.nc.publish(subjects.CONFIG_CHANGED, pool_config.change_message(
-                    self.config.gateway_id, pool_config.to_dict(parsed)))
+            await self._announce_config(pool_config.to_dict(parsed))  # as for a Config page save
 
     # ---- usage records ----------------------------------------------------------------------------
 

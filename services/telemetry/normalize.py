@@ -141,7 +141,7 @@ def daily_wh_total(usage: Any) -> float | None:
     daily = _get(usage, "energy", "daily")
     if not isinstance(daily, dict):
         return None
-    figures = [wh for day in daily.values() if (wh := _float(_get(day, "wh"))) is not None and wh >= 0]
+    figures = [wh for day in daily.values() if (wh := _wh(_get(day, "wh"))) is not None]
     return math.fsum(figures) if figures else None
 
 

@@ -135,9 +135,7 @@ class TelemetryService:
 
     def set_interval(self, interval_s: float) -> None:
         """Scrape every ``interval_s`` from now on; every member's loop re-times the wait it is in at once
-        (schedule.py). Raises ValueError below the 100 ms floor (the pools file's parser enforces it too)."""
-        if not interval_s >= schedule.MIN_INTERVAL_S:
-            raise ValueError(f"scrape interval {interval_s!r}s is below {schedule.MIN_INTERVAL_S:g}s")
+        (schedule.py). ``interval_s`` comes checked: the pools file's parser bounds poll_interval to 0.1..60 s."""
         if interval_s == self.interval_s:
             return
         log.info("scraping every %gs (was %gs): the pools file's metrics.poll_interval", interval_s, self.interval_s)

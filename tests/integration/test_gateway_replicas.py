@@ -111,4 +111,4 @@ async def test_a_change_made_with_llmgw_admin_reaches_the_running_gateways(  # t
         shell.set_quota(key_id, 777)
         shell.close()
         for g in (gw1, gw2):
-            await wait_for(lambda g=g: g.identity.key_by_id(key_id).daily_quota == 777, timeout_s=5)  # type: ignore[misc,union-attr]
+            await wait_for(lambda g=g: g.identity.key_by_id(key_id).daily_quota == 777, timeout_s=15)  # type: ignore[misc,union-attr]

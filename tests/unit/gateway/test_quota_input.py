@@ -1,4 +1,4 @@
-"""Setting a key's daily token quota: the form field's rules (pages.parse_daily_quota) and
+"""Setting a key's daily token quota: the form field's rules (identity.parse_daily_quota) and
 ``llmgw admin set-quota`` / ``list-keys`` run in-process on a real identity database in tmp_path."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.gateway import admin_cli
-from services.gateway.identity import IdentityError, IdentityStore
-from services.gateway.pages import MAX_DAILY_QUOTA, parse_daily_quota
+from services.gateway.identity import MAX_DAILY_QUOTA, IdentityError, IdentityStore, parse_daily_quota
 
 
 @pytest.mark.parametrize(("text", "quota"), [("", None), ("  ", None), ("1", 1), (" 12000 ", 12_000),
