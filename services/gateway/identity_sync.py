@@ -58,6 +58,8 @@ class IdentitySync:
         self.kv: KeyValue | None = None
         self._outbox: dict[str, bytes] = {}  # bucket key → newest version not yet taken by the bus
         self._wake = asyncio.Event()
+        self._waiting: dict[str, tuple[str, dict[str, Any]]] = {}  # rows whose user has not arrived yet
+        self.applied = 0
         self._sub: Any = None
         store.on_change = self._local_change
 
@@ -101,13 +103,11 @@ class IdentitySync:
         """Apply every row in the bucket, then offer ours that it lacks or holds older.
 
         Read message by message (``next_by_subj`` from the last sequence seen) rather than with a KV
-        watcher: the end is a plain "no message", not a marker that may never come. Users are applied
-        before keys: the bucket keeps each row's newest version in the order of the last change, so a
-        user whose password changed comes after their keys.
+        watcher: the end is a plain "no message", not a marker that may never come.
         """
         assert self.kv is not None
         js = self.nc.jetstream()
-        entries: list[tuple[str, bytes]] = []
+        held: dict[str, float] = {}
         seq = 1
         while True:
             try:
@@ -116,13 +116,12 @@ class IdentitySync:
                 break
             seq = msg.seq + 1
             key = (msg.subject or "").removeprefix(_KV_PREFIX)
-            if key != BOOTSTRAP_KEY and msg.data and not (msg.headers or {}).get("KV-Operation"):
-                entries.append((key, msg.data))
-        held: dict[str, float] = {}
-        for key, value in sorted(entries, key=lambda entry: not entry[0].startswith("users.")):
-            row = self._apply(key, value)
+            if key == BOOTSTRAP_KEY or not msg.data or (msg.headers or {}).get("KV-Operation"):
+                continue
+            row = self._apply(key, msg.data)
             if row is not None:
                 held[key] = float(row.get("updated_s") or 0.0)
+        self._retry_waiting()
         self.store.refresh()  # rows ``llmgw admin`` changed in the file while we ran
         for table, row in self.store.replica_rows():
             key = entry_key(table, row)
@@ -176,7 +175,8 @@ class IdentitySync:
     async def _on_put(self, msg: Msg) -> None:
         key = msg.subject.removeprefix(_KV_PREFIX)
         if key != BOOTSTRAP_KEY and msg.data:
-            self._apply(key, msg.data)
+            if self._apply(key, msg.data) is not None and key.startswith("users."):
+                self._retry_waiting()
 
     # ---- applying ---------------------------------------------------------------------------------
 
@@ -185,11 +185,23 @@ class IdentitySync:
         table = key.partition(".")[0]
         try:
             row = msgspec.json.decode(value)
-            self.store.apply_replica(table, row)
-        except sqlite3.IntegrityError as exc:  # a different user holds the name here, or the key's user is unknown
+            if self.store.apply_replica(table, row):
+                self.applied += 1
+        except sqlite3.IntegrityError as exc:
+            if table == "api_keys" and "FOREIGN KEY" in str(exc):
+                self._waiting[key] = (table, row)  # its user comes later in the bucket's order
+                return row
             log.warning("kept our own version of %s: the shared one conflicts here (%s)", key, exc)
             return None
         except (msgspec.DecodeError, ValueError, TypeError, KeyError, RecursionError) as exc:
             log.warning("ignored a malformed shared identity entry %s: %s", key, exc)
             return None
+        self._waiting.pop(key, None)
         return row
+
+    def _retry_waiting(self) -> None:
+        for key, (table, row) in list(self._waiting.items()):
+            with contextlib.suppress(sqlite3.IntegrityError, ValueError):
+                self.store.apply_replica(table, row)
+                self._waiting.pop(key, None)
+                self.applied += 1
