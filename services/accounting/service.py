@@ -172,6 +172,7 @@ class AccountingService:
         await puller.start()
         self._pullers.append(puller)
         while True:
+            raise_if_cancelling()
             try:
                 msgs = await puller.fetch(self.config.batch_size, self.config.fetch_timeout_s)
             except asyncio.CancelledError:

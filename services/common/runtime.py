@@ -194,7 +194,10 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def raise_if_cancelling() -> None:
     """Re-raise a cancellation that a library or Python 3.11's ``asyncio.timeout`` turned into a
     TimeoutError (when the deadline and the cancel land together), so a shutdown is never swallowed.
-    Call it wherever a TimeoutError is caught and the loop goes on."""
+    Call it wherever a TimeoutError is caught and the loop goes on, and at the top of every background
+    loop that makes bus requests: Python 3.11's ``asyncio.wait_for`` (inside nats-py's ``request``) drops a
+    cancel that lands in the same loop turn as the answer, and the loop would then run on, holding
+    shutdown forever (seen as a 1-in-3 hang of a gateway test with a 0.1 s identity resync)."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError

@@ -22,7 +22,7 @@ from nats.aio.client import Client
 from proto import EnergySample, RequestTokens, TokenChunk, encode, subjects
 from services.common import openai_api, openai_stream
 from services.common.http import HTTPError, error_middleware, read_json_object, serving
-from services.common.runtime import new_session_id
+from services.common.runtime import new_session_id, raise_if_cancelling
 from services.engine.async_engine import EngineHandle
 from services.engine.energy import EnergyMeter, EnergyTracker, total_energy_j
 from services.engine.engine_core import RequestOutput
@@ -110,6 +110,7 @@ class EngineService:
     async def energy_loop(self) -> None:
         js = self.nc.jetstream() if self.nc is not None else None
         while True:
+            raise_if_cancelling()
             sample = await self.sample_energy()
             if js is not None:
                 try:

@@ -114,6 +114,7 @@ class IdentitySync:
                 msg = await js.get_msg(_STREAM, seq=seq, subject=_KV_PREFIX + ">", next=True)
             except NotFoundError:
                 break
+            raise_if_cancelling()  # see raise_if_cancelling: a cancel that lands as an answer arrives is lost
             seq = msg.seq + 1
             key = (msg.subject or "").removeprefix(_KV_PREFIX)
             if key == BOOTSTRAP_KEY or not msg.data or (msg.headers or {}).get("KV-Operation"):
@@ -149,6 +150,7 @@ class IdentitySync:
     async def _send_outbox(self) -> None:
         assert self.kv is not None
         while True:
+            raise_if_cancelling()
             await self._wake.wait()
             self._wake.clear()
             while self._outbox:
@@ -165,6 +167,7 @@ class IdentitySync:
 
     async def _resync(self) -> None:
         while True:
+            raise_if_cancelling()
             await asyncio.sleep(RESYNC_S)
             try:
                 await self._pull_all()

@@ -180,6 +180,7 @@ class TelemetryService:
         await self._pause(schedule.phase_s(state.member.member_id, self.interval_s))
         tick_s = time.monotonic()
         while True:
+            raise_if_cancelling()
             await self.scrape_once(state)
             while True:  # wait for the next tick; a new interval re-times the wait from the same last tick
                 next_s = schedule.next_tick_s(tick_s, self.interval_s, time.monotonic())
@@ -265,6 +266,7 @@ class TelemetryService:
 
     async def _discover_forever(self, http: aiohttp.ClientSession) -> None:
         while True:
+            raise_if_cancelling()
             await self.discover_once(http)
             await asyncio.sleep(self.config.discover_interval_s)
 
