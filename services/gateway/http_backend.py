@@ -4,7 +4,11 @@ Streams are passed through event by event with no buffering. The gateway always 
 ``stream_options.include_usage`` so it can account every request, and strips that usage chunk again
 when the client did not ask for it. Failure before the first byte (connect error, 5xx, 408, no
 response headers within the first-byte deadline) raises :class:`MemberUnavailable` so the caller can
-fail over; any other 4xx is the request's own fault and is passed to the client as-is.
+fail over; any other 4xx is the request's own fault and is passed to the client as-is. A member that
+dies mid-answer fails over too when nothing has reached the client yet (a non-streaming answer), and
+ends the stream with an error event otherwise.
+
+The connections are :mod:`services.gateway.upstream`'s (keep-alive HTTP/1.1, made for this one job).
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -23,6 +26,7 @@ from proto import Usage
 from services.common.http import HTTPError, error_body
 from services.common.pool_config import MemberConfig
 from services.common.runtime import raise_if_cancelling
+from services.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 
 _json = msgspec.json.Encoder()
 _MAX_HELD_LINE = 1 << 20  # bytes of an unfinished line held back while waiting for its end
@@ -80,25 +84,17 @@ class HttpBackend:
     def __init__(self, first_byte_timeout_s: float, request_timeout_s: float) -> None:
         self.first_byte_timeout_s = first_byte_timeout_s
         self.request_timeout_s = request_timeout_s
-        self.session: aiohttp.ClientSession | None = None
+        self.client = UpstreamClient()  # one pool of keep-alive connections for all members
 
     async def __aenter__(self) -> HttpBackend:
-        # One pooled session for all members: keep-alive connections, no per-request handshake.
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=256, keepalive_timeout=60),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.first_byte_timeout_s),
-            auto_decompress=True,
-        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.session is not None:
-            await self.session.close()
+        self.client.close()
 
     async def open(self, member: MemberConfig, endpoint: str, body: dict[str, Any], stream: bool,
-                   headers: dict[str, str]) -> aiohttp.ClientResponse:
+                   headers: dict[str, str]) -> UpstreamResponse:
         """Send the request; return the upstream response once its status line arrived (< 400)."""
-        assert self.session is not None
         upstream = dict(body, model=member.model_id)
         if stream:
             options = dict(upstream.get("stream_options") or {})
@@ -106,42 +102,50 @@ class HttpBackend:
             upstream["stream_options"] = options
         try:
             async with asyncio.timeout(self.first_byte_timeout_s):
-                resp = await self.session.post(member.backend + ENDPOINT_PATHS[endpoint], data=_json.encode(upstream),
-                                               headers={"Content-Type": "application/json", **headers})
+                resp = await self.client.post(member.backend, ENDPOINT_PATHS[endpoint], _json.encode(upstream),
+                                              {"Content-Type": "application/json", **headers})
         except TimeoutError:
             raise_if_cancelling()
             raise MemberUnavailable(member.member_id, "no response within the first-byte deadline") from None
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
+            raise MemberUnavailable(member.member_id, f"no answer: {exc}") from None
+        except OSError as exc:  # refused, unreachable, TLS
             raise MemberUnavailable(member.member_id, f"connect failed: {exc}") from None
         if resp.status in _RETRYABLE:
             resp.release()
             raise MemberUnavailable(member.member_id, f"upstream answered {resp.status}", resp.status)
         if resp.status >= 400:
             try:
-                payload = await resp.json(content_type=None)
+                async with asyncio.timeout(self.first_byte_timeout_s):
+                    payload = msgspec.json.decode(await resp.read())
                 err = payload.get("error", {}) if isinstance(payload, dict) else {}
                 err = err if isinstance(err, dict) else {}
-            except (ValueError, aiohttp.ClientError):
+            except (msgspec.DecodeError, UpstreamError, RecursionError, TimeoutError):
+                raise_if_cancelling()
                 err = {}
             finally:
                 resp.release()
             error = HTTPError(resp.status, str(err.get("message") or f"upstream answered {resp.status}"),
                               code=err.get("code"), param=err.get("param"), type=err.get("type"),
-                              retry_after_s=_retry_after(resp.headers.get("Retry-After")))
+                              retry_after_s=_retry_after(resp.headers.get("retry-after")))
             if resp.status == 429:  # busy, not wrong: another member may take it
                 raise MemberUnavailable(member.member_id, "upstream busy (429)", 429, error)
             raise error
         return resp
 
-    async def relay(self, request: web.Request, resp: aiohttp.ClientResponse, stream: bool, client_wants_usage: bool,
-                    request_id: str, on_first_byte: Callable[[], None]) -> tuple[web.StreamResponse, UpstreamResult]:
+    async def relay(self, request: web.Request, resp: UpstreamResponse, stream: bool, client_wants_usage: bool,
+                    request_id: str, on_first_byte: Callable[[], None], member_id: str = ""
+                    ) -> tuple[web.StreamResponse, UpstreamResult]:
         result = UpstreamResult(http_status=resp.status)
         started = time.monotonic()
         out: web.StreamResponse | None = None
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 if not stream:
-                    raw = await resp.read()
+                    try:
+                        raw = await resp.read()
+                    except UpstreamError as exc:  # nothing reached the client: the next member may answer
+                        raise MemberUnavailable(member_id, f"the answer broke off: {exc}") from None
                     on_first_byte()
                     result.ttft_ms = (time.monotonic() - started) * 1000.0
                     try:
@@ -161,7 +165,7 @@ class HttpBackend:
                 pending = b""  # the start of a line whose end has not arrived yet
                 # Whatever one read brought goes out in one write (not one per line): the same bytes, at
                 # the same moment, with a fraction of the system calls.
-                async for data in resp.content.iter_any():
+                async for data in resp.iter_any():
                     if first:
                         on_first_byte()
                         first = False
@@ -200,10 +204,14 @@ class HttpBackend:
                     await out.write(pending)
                 await out.write_eof()
                 return out, result
-        except TimeoutError:
+        except (TimeoutError, UpstreamError) as exc:
             raise_if_cancelling()
-            err = HTTPError(504, f"the request ran past the gateway's request timeout ({self.request_timeout_s:g} s)",
-                            code="request_timeout")
+            if isinstance(exc, UpstreamError):
+                err = HTTPError(502, f"the member's stream broke off: {exc}", code="upstream_error",
+                                type="server_error")
+            else:
+                err = HTTPError(504, f"the request ran past the gateway's request timeout "
+                                     f"({self.request_timeout_s:g} s)", code="request_timeout")
             if out is None or not out.prepared:
                 raise err from None
             # the status line is gone already: end the stream with an error event, as for our own engines

@@ -75,6 +75,7 @@ class Router:
         self.affinity = AffinityTable(max_entries=max_entries)
         self.pins = PinTable(max_entries=max_entries)
         self.weights = routing.RoutingWeights()
+        self._policies: dict[int, tuple[PoolConfig, routing.PoolPolicy]] = {}  # id(pool) → (pool, its policy)
         if self.dir is not None:
             self._load(now_s)
 
@@ -118,7 +119,7 @@ class Router:
     def decide(self, resolved: ResolvedPool, parsed: openai_api.ParsedRequest, session_key: str | None,
                is_session_header: bool, fleet: Fleet, now_s: float, weights: routing.RoutingWeights,
                rng: random.Random) -> Decision:
-        policy = policy_for(resolved.pool)
+        policy = self._policy(resolved.pool)
         messages = parsed.generate.messages
         keys = prefix_hashes(messages) if messages and policy.cache_affinity else ()
         chars = sum(len(m.content) for m in messages) if messages else len(parsed.generate.prompt or "")
@@ -128,6 +129,17 @@ class Router:
         pick = routing.pick(policy, weights, self._states(resolved, fleet, now_s), request, self.affinity,
                             self.pins, now_s, rng)
         return Decision(pick, request, policy)
+
+    def _policy(self, pool: PoolConfig) -> routing.PoolPolicy:
+        """``policy_for(pool)``, built once per pool config (a reload makes new PoolConfig objects)."""
+        cached = self._policies.get(id(pool))
+        if cached is not None and cached[0] is pool:
+            return cached[1]
+        if len(self._policies) > 1024:  # configs replaced by reloads
+            self._policies.clear()
+        policy = policy_for(pool)
+        self._policies[id(pool)] = (pool, policy)
+        return policy
 
     def record_success(self, decision: Decision, member_id: str, now_s: float) -> None:
         routing.record_route(decision.policy, decision.request, decision.pick, member_id, self.affinity,

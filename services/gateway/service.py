@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
 import logging
 import random
@@ -29,8 +30,16 @@ from proto import ProtoDecodeError, SlotHeartbeat, TokenChunk, Usage, UsageRecor
 from services.common import openai_api, openai_stream, pool_config
 from services.common.http import HTTPError, body_deadline_middleware, error_middleware, read_json_object, serving
 from services.common.prom import E2E_BUCKETS_S, Histogram, PromText
-from services.common.runtime import ConfigError, ThrottledLog, atomic_write_text, new_session_id, raise_if_cancelling
+from services.common.runtime import (
+    ConfigError,
+    HotPathLog,
+    ThrottledLog,
+    atomic_write_text,
+    new_session_id,
+    raise_if_cancelling,
+)
 from services.gateway import bus_backend, pools, routing, routing_adapter
+from services.gateway.acked_publisher import AckedPublisher
 from services.gateway.auth import Auth, KeyUsageSummary, parse_networks, save_usage_periodically
 from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend, MemberUnavailable
@@ -41,7 +50,8 @@ from services.gateway.pages import Pages
 from services.gateway.usage_spool import UsageSpool
 
 log = logging.getLogger(__name__)
-access_log = logging.getLogger("llmgw.access")
+access_log = HotPathLog("llmgw.access")
+USAGE_BATCH = 256  # usage records sent before waiting for their acks
 
 # A gateway that does not know a key answers an auth check this much later than one that does.
 NEGATIVE_AUTH_DELAY_S = 0.25
@@ -125,10 +135,12 @@ class GatewayService:
         self.spool = UsageSpool(data / "usage-spool" / config.gateway_id)
         self.rng = rng or random.Random()
         self._usage_queue: asyncio.Queue[UsageRecord] = asyncio.Queue(maxsize=config.usage_buffer)
+        self._acked = AckedPublisher(nc)
         self._seq = 0
         self._request_count = 0
         self.usage_published = 0
         self._config_mtime: float | None = None
+        self._weights_cache: tuple[Any, float, routing.RoutingWeights] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -146,6 +158,7 @@ class GatewayService:
                 await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self._on_config_changed),
                 await self.nc.subscribe(subjects.QUOTA_ALL, cb=self._on_key_usage_elsewhere)]
         await self._load_known_workers()
+        await self._acked.start()
         async with self.http, asyncio.TaskGroup() as tasks:
             background = [tasks.create_task(self._publish_usage(), name="usage-publisher"),
                           tasks.create_task(self._resend_spooled(), name="usage-resend"),
@@ -166,6 +179,7 @@ class GatewayService:
                 self.auth.save_usage()
                 for task in background:
                     task.cancel()
+        await self._acked.stop()
         self.identity.close()
 
     def _bootstrap_admin(self) -> None:
@@ -195,6 +209,7 @@ class GatewayService:
         """Tell the other gateways what each key used here today, so a quota holds across the fleet."""
         told: KeyUsageSummary | None = None
         while True:
+            raise_if_cancelling()
             await asyncio.sleep(QUOTA_SHARE_S)
             summary = self.auth.usage_summary(time.time())
             if summary.tokens and summary != told:
@@ -352,46 +367,57 @@ class GatewayService:
             if not self.spool.append(encode(record)):
                 log.error("usage of %s could not be kept (memory queue and spool full)", request_id)
         access_log.info(
-            "request_id=%s endpoint=%s pool=%s member=%s status=%s http=%s prompt=%s output=%s ms=%.1f reason=%s",
-            request_id, parsed.endpoint, outcome.pool or "-", outcome.member_id or "-", outcome.status,
-            outcome.http_status, record.prompt_tokens, record.output_tokens, record.latency_ms,
-            outcome.routing_reason or "-",
-        )
+            f"request_id={request_id} endpoint={parsed.endpoint} pool={outcome.pool or '-'} "
+            f"member={outcome.member_id or '-'} status={outcome.status} http={outcome.http_status} "
+            f"prompt={record.prompt_tokens} output={record.output_tokens} ms={record.latency_ms:.1f} "
+            f"reason={outcome.routing_reason or '-'}")
 
-    async def _publish(self, data: bytes, request_id: str) -> None:
-        # Nats-Msg-Id lets the stream drop a duplicate when we retry after a lost ack.
-        await self.nc.jetstream().publish(subjects.usage(self.config.gateway_id), data,
-                                          headers={"Nats-Msg-Id": f"usage-{request_id}"}, timeout=2.0)
+    def _usage_message(self, data: bytes, request_id: str) -> tuple[str, bytes, dict[str, str]]:
+        # Nats-Msg-Id lets the stream drop a duplicate when we resend after a lost ack.
+        return subjects.usage(self.config.gateway_id), data, {"Nats-Msg-Id": f"usage-{request_id}"}
 
     async def _publish_usage(self) -> None:
+        """Send records as they come, a batch of what is queued at a time (each acked on its own); what
+        the stream did not take within 2 s goes to the disk spool and is resent from there."""
         while True:
-            record = await self._usage_queue.get()
-            data = encode(record)
+            raise_if_cancelling()
+            batch = [await self._usage_queue.get()]
+            while len(batch) < USAGE_BATCH and not self._usage_queue.empty():
+                batch.append(self._usage_queue.get_nowait())
+            data = [encode(record) for record in batch]
+            stored: list[bool] = []
             try:
-                await self._publish(data, record.request_id)
-                self.usage_published += 1
-            except asyncio.CancelledError:
-                self.spool.append(data)
-                raise
-            except Exception as exc:
-                self._quiet_log.warning("spooled", "usage of %s spooled to disk (bus unavailable: %s)",
-                                        record.request_id, exc)
-                self.spool.append(data)
-            finally:
-                self._usage_queue.task_done()
+                stored = await self._acked.publish(
+                    [self._usage_message(d, r.request_id) for d, r in zip(data, batch, strict=True)], timeout_s=2.0)
+            finally:  # also when cancelled: what was not acked is kept on disk
+                for d, record, ok in itertools.zip_longest(data, batch, stored, fillvalue=False):
+                    if ok:
+                        self.usage_published += 1
+                    else:
+                        self._quiet_log.warning("spooled", "usage of %s spooled to disk (the bus did not take it)",
+                                                record.request_id)
+                        self.spool.append(d)
+                    self._usage_queue.task_done()
 
     async def _resend_spooled(self) -> None:
         while True:
+            raise_if_cancelling()
             await asyncio.sleep(1.0)
             if not self.spool.has_pending() or not self.nc.is_connected:
                 continue
             try:
-                for data in self.spool.take():
-                    await self._publish(data, decode(data, UsageRecord).request_id)
-                    self.usage_published += 1
+                pending = self.spool.take()
+                for start in range(0, len(pending), USAGE_BATCH):
+                    chunk = pending[start:start + USAGE_BATCH]
+                    stored = await self._acked.publish(
+                        [self._usage_message(d, decode(d, UsageRecord).request_id) for d in chunk], timeout_s=5.0)
+                    self.usage_published += sum(stored)
+                    if not all(stored):
+                        raise RuntimeError(f"the bus took {sum(stored)} of {len(chunk)} records")
                 self.spool.done()
                 log.info("spooled usage records delivered")
             except Exception as exc:
+                raise_if_cancelling()
                 log.warning("spooled usage not delivered yet: %s", exc)
 
     async def _flush_usage(self, timeout_s: float) -> None:
@@ -517,7 +543,10 @@ class GatewayService:
         return web.json_response(decision.explain())
 
     def _weights(self) -> routing.RoutingWeights:
-        return routing_adapter.weights_for(self.file_config.metrics, self.stale_after_s)
+        key = (self.file_config.metrics, self.stale_after_s)
+        if self._weights_cache is None or self._weights_cache[0] is not key[0] or self._weights_cache[1] != key[1]:
+            self._weights_cache = (*key, routing_adapter.weights_for(*key))
+        return self._weights_cache[2]
 
     @staticmethod
     def _parse(body: dict[str, Any], endpoint: str) -> openai_api.ParsedRequest:
@@ -689,7 +718,7 @@ class GatewayService:
         assert ref.config is not None
         resp = await self.http.open(ref.config, parsed.endpoint, body, parsed.stream, {"X-Request-Id": request_id})
         response, result = await self.http.relay(request, resp, parsed.stream, parsed.include_usage, request_id,
-                                                 on_first_byte=first_byte)
+                                                 on_first_byte=first_byte, member_id=ref.member_id)
         outcome.usage, outcome.finish_reason, outcome.ttft_ms = result.usage, result.finish_reason, result.ttft_ms
         if result.error is not None:
             self._on_error(outcome)(result.error)

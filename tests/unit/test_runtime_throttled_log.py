@@ -58,3 +58,44 @@ def test_buffered_log_lines_reach_stderr_at_exit_and_errors_at_once() -> None:
         proc.kill()
     lines = [line.split(": ", 1)[1] for line in seen.decode().splitlines() if line.strip()]
     assert lines == ["info line", "error line", "last info line"]
+
+
+def test_hot_path_lines_read_exactly_like_logging_lines_and_go_through_logging_when_captured(caplog) -> None:  # type: ignore[no-untyped-def]
+    """HotPathLog writes what the logging record would have become; a capture handler still sees a record."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from services.common.runtime import HotPathLog
+
+    script = (
+        "import logging, time\n"
+        "from services.common.runtime import HotPathLog, setup_logging\n"
+        "setup_logging()\n"
+        "t = time.time()\n"
+        "real = logging.Formatter(logging.getLogger().handlers[0].formatter._fmt)\n"
+        "record = logging.LogRecord('llmgw.access', logging.INFO, '', 0, 'request_id=r1 ms=%s', ('1.5',), None)\n"
+        "record.created, record.msecs = t, int((t - int(t)) * 1000) + 0.0\n"
+        "print(real.format(record), flush=True)\n"
+        "fmt = logging.getLogger().handlers[0].formatter\n"
+        "print(fmt.info_line('llmgw.access', 'request_id=r1 ms=1.5', t), end='')\n"
+        "logging.getLogger().handlers[0].write_info_line('llmgw.access', 'request_id=r1 ms=1.5')\n"
+        "HotPathLog('llmgw.access').info('second line')\n"
+        "logging.getLogger('llmgw').setLevel(logging.WARNING)\n"
+        "HotPathLog('llmgw.access').info('not written: below the level')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2], env=dict(os.environ, LLMGW_LOG_LEVEL="INFO"))
+    assert out.returncode == 0, out.stderr
+    by_logging, by_hot_path = out.stdout.splitlines()
+    assert by_hot_path == by_logging  # the same text, to the millisecond, for the same moment
+    written = out.stderr.splitlines()
+    assert len(written) == 2
+    assert written[0][:19] == by_logging[:19] or written[0][:17] == by_logging[:17]  # made within the same second
+    assert written[0][23:] == by_logging[23:] == " INFO llmgw.access: request_id=r1 ms=1.5"
+    assert written[1].endswith(" INFO llmgw.access: second line")
+
+    with caplog.at_level(logging.INFO, logger="llmgw.access"):  # a capture handler: an ordinary record
+        HotPathLog("llmgw.access").info("request_id=r2")
+    assert [r.getMessage() for r in caplog.records] == ["request_id=r2"]

@@ -1,0 +1,423 @@
+"""A lean HTTP/1.1 client for the gateway's HTTP members: keep-alive connections and nothing else.
+
+aiohttp's client took about a quarter of the gateway's CPU per proxied request (request and response
+objects with cookie jars, trace hooks, per-request timers, a stream reader per body). The gateway needs
+one thing from an upstream: POST a JSON body and pass the answer on as it arrives. This module does
+that on an :class:`asyncio.Protocol` per connection:
+
+- requests go out as one ``write`` (head and body); responses are framed by ``Content-Length``,
+  ``Transfer-Encoding: chunked`` or the end of the connection, and handed on chunk by chunk;
+- connections are kept per origin (scheme, host, port) and reused most-recent first; one the server
+  closed while idle is noticed when it closes, or (if the close raced our request) the request is sent
+  once more on a new connection, but only when not one byte of a response came back;
+- a body that is compressed despite ``Accept-Encoding: identity`` is decompressed (gzip, deflate);
+- a body the reader does not take fast enough pauses the socket (1 MiB held at most).
+
+Errors: :class:`UpstreamError` for a connection that failed, closed early or spoke something that is
+not HTTP/1.x; ``OSError`` (refused, unreachable, TLS) from connecting. Timeouts are the caller's: wrap a
+call in ``asyncio.timeout``; cancelling a request closes its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ssl
+import time
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import lru_cache
+from urllib.parse import unquote, urlsplit
+
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HELD_BODY_BYTES = 1 << 20
+IDLE_TIMEOUT_S = 60.0
+MAX_IDLE_PER_ORIGIN = 256
+
+_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
+
+
+class UpstreamError(Exception):
+    """The connection failed, closed early, or the answer is not HTTP/1.x.
+
+    ``nothing_received``: not one byte of a response arrived (the request may be sent again elsewhere).
+    """
+
+    def __init__(self, message: str, nothing_received: bool = False) -> None:
+        super().__init__(message)
+        self.nothing_received = nothing_received
+
+
+@dataclass(frozen=True)
+class Origin:
+    scheme: str
+    host: str
+    port: int
+    path_prefix: str  # the URL's path without its trailing "/", prepended to every request path
+    head_prefix: bytes  # the Host (and Authorization, from user:password in the URL) header lines
+
+    @property
+    def is_tls(self) -> bool:
+        return self.scheme == "https"
+
+
+@lru_cache(maxsize=1024)
+def origin_of(base_url: str) -> Origin:
+    """``http(s)://[user:password@]host[:port][/prefix]`` → :class:`Origin` (ValueError if it is not one)."""
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {base_url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    default_port = port == (443 if parts.scheme == "https" else 80)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    head = f"Host: {host}{'' if default_port else f':{port}'}\r\n"
+    if parts.username is not None:
+        token = base64.b64encode(f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()).decode()
+        head += f"Authorization: Basic {token}\r\n"
+    return Origin(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), head.encode("latin-1"))
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection: one request at a time, its response parsed as the bytes arrive."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.is_closed = False
+        self.idle_since = 0.0
+        self._buf = bytearray()
+        self._state = _DONE
+        self._remaining = 0
+        self._received_any = False
+        self._head: asyncio.Future[tuple[int, dict[str, str]]] | None = None
+        self._body: deque[bytes] = deque()
+        self._held = 0
+        self._body_done = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: UpstreamError | None = None
+        self._is_paused = False
+        self.keep_alive = False
+
+    # ---- asyncio.Protocol ---------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._state == _DONE:  # bytes nobody asked for: this connection cannot be trusted again
+            self.keep_alive = False
+            self.close()
+            return
+        self._received_any = True
+        self._buf += data
+        try:
+            self._parse()
+        except UpstreamError as exc:
+            self._fail(exc)
+            self.close()
+
+    def eof_received(self) -> bool:
+        if self._state == _UNTIL_CLOSE:
+            self._finish_body()
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.is_closed = True
+        if self._state != _DONE:
+            self._fail(UpstreamError(f"the member closed the connection before the response was complete"
+                                     f"{f' ({exc})' if exc else ''}", nothing_received=not self._received_any))
+        self._wake()
+
+    def pause_writing(self) -> None:  # a request body never outgrows the socket buffer by much: nothing to do
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def send(self, data: bytes) -> asyncio.Future[tuple[int, dict[str, str]]]:
+        assert self.transport is not None and self._state == _DONE
+        self._state, self._received_any, self._error = _HEAD, False, None
+        self._body.clear()
+        self._held, self._body_done, self.keep_alive = 0, False, False
+        self._head = asyncio.get_running_loop().create_future()
+        self.transport.write(data)
+        return self._head
+
+    async def next_chunk(self) -> bytes | None:
+        """The body bytes that arrived since the last call (joined), or None once the body is complete."""
+        while not self._body:
+            if self._error is not None:
+                raise self._error
+            if self._body_done:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = self._body.popleft() if len(self._body) == 1 else b"".join(self._body)
+        self._body.clear()
+        self._held = 0
+        if self._is_paused and self.transport is not None:
+            self._is_paused = False
+            self.transport.resume_reading()
+        return data
+
+    @property
+    def is_reusable(self) -> bool:
+        return self.keep_alive and self._state == _DONE and not self.is_closed and not self._buf
+
+    def close(self) -> None:
+        if self.transport is not None and not self.is_closed:
+            self.transport.close()
+        self.is_closed = True
+
+    # ---- parsing ------------------------------------------------------------------------------------
+
+    def _parse(self) -> None:
+        buf = self._buf
+        while buf:
+            state = self._state
+            if state == _HEAD:
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(buf) > MAX_HEAD_BYTES:
+                        raise UpstreamError(f"response headers longer than {MAX_HEAD_BYTES} bytes")
+                    return
+                head = bytes(buf[:end])
+                del buf[:end + 4]
+                self._start(head)
+            elif state in (_LENGTH, _CHUNK_DATA):
+                take = min(self._remaining, len(buf))
+                self._push(bytes(buf[:take]))
+                del buf[:take]
+                self._remaining -= take
+                if self._remaining == 0:
+                    if state == _LENGTH:
+                        self._finish_body()
+                    else:
+                        self._state = _CHUNK_END
+            elif state == _CHUNK_SIZE:
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    if len(buf) > 1024:
+                        raise UpstreamError("a chunk-size line longer than 1 KiB")
+                    return
+                try:
+                    size = int(bytes(buf[:end]).split(b";", 1)[0].strip(), 16)
+                except ValueError:
+                    raise UpstreamError(f"bad chunk size {bytes(buf[:min(end, 40)])!r}") from None
+                del buf[:end + 2]
+                if size < 0:
+                    raise UpstreamError("negative chunk size")
+                self._state, self._remaining = (_TRAILERS, 0) if size == 0 else (_CHUNK_DATA, size)
+            elif state == _CHUNK_END:
+                if len(buf) < 2:
+                    return
+                if buf[:2] != b"\r\n":
+                    raise UpstreamError("a chunk not followed by CRLF")
+                del buf[:2]
+                self._state = _CHUNK_SIZE
+            elif state == _TRAILERS:
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    if len(buf) > MAX_HEAD_BYTES:
+                        raise UpstreamError("trailers too long")
+                    return
+                del buf[:end + 2]
+                if end == 0:
+                    self._finish_body()
+            elif state == _UNTIL_CLOSE:
+                self._push(bytes(buf))
+                buf.clear()
+            else:  # _DONE with bytes left over: the member sent more than it announced
+                self.keep_alive = False
+                buf.clear()
+
+    def _start(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        status_line = lines[0].split(None, 2)
+        if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1.") or not status_line[1].isdigit():
+            raise UpstreamError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
+        status = int(status_line[1])
+        if 100 <= status < 200:
+            return  # an interim response (100 Continue, 103 Early Hints): the real one follows
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep:
+                raise UpstreamError(f"malformed header line {line[:80]!r}")
+            headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+        connection = headers.get("connection", "").lower()
+        is_http11 = status_line[0] == b"HTTP/1.1"
+        self.keep_alive = "close" not in connection if is_http11 else "keep-alive" in connection
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            self._state = _CHUNK_SIZE
+        elif "content-length" in headers:
+            try:
+                self._remaining = int(headers["content-length"])
+            except ValueError:
+                raise UpstreamError(f"bad Content-Length {headers['content-length']!r}") from None
+            if self._remaining < 0:
+                raise UpstreamError("negative Content-Length")
+            self._state = _LENGTH
+        elif status in (204, 304):
+            self._remaining = 0
+            self._state = _LENGTH
+        else:
+            self._state, self.keep_alive = _UNTIL_CLOSE, False
+        if self._head is not None and not self._head.done():
+            self._head.set_result((status, headers))
+        if self._state == _LENGTH and self._remaining == 0:
+            self._finish_body()
+
+    def _push(self, data: bytes) -> None:
+        if not data:
+            return
+        self._body.append(data)
+        self._held += len(data)
+        if self._held > MAX_HELD_BODY_BYTES and not self._is_paused and self.transport is not None:
+            self._is_paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def _finish_body(self) -> None:
+        self._state, self._body_done = _DONE, True
+        self._wake()
+
+    def _fail(self, exc: UpstreamError) -> None:
+        self._error = exc
+        self._state = _DONE
+        self.keep_alive = False
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(exc)
+            self._head.exception()  # retrieved here: the caller may be gone (cancelled) by now
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class UpstreamResponse:
+    """A member's answer: the status and headers at once, the body as it arrives. Release it when done."""
+
+    def __init__(self, client: UpstreamClient, key: Origin, conn: _Connection, status: int,
+                 headers: dict[str, str]) -> None:
+        self.status = status
+        self.headers = headers  # lower-case names
+        self._client, self._key, self._conn = client, key, conn
+        encoding = headers.get("content-encoding", "identity").lower()
+        self._inflate = zlib.decompressobj(wbits=47) if encoding in ("gzip", "x-gzip", "deflate") else None
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        """The body, in the pieces it arrived in (what came between two reads is joined)."""
+        while (data := await self._conn.next_chunk()) is not None:
+            if self._inflate is not None:
+                try:
+                    data = self._inflate.decompress(data)
+                except zlib.error as exc:
+                    raise UpstreamError(f"the member's {self.headers['content-encoding']} body is corrupt: "
+                                        f"{exc}") from None
+            if data:
+                yield data
+
+    async def read(self) -> bytes:
+        return b"".join([data async for data in self.iter_any()])
+
+    def release(self) -> None:
+        """Give the connection back for reuse if its response was read to the end, else close it."""
+        conn, self._conn = self._conn, None  # type: ignore[assignment]
+        if conn is not None:
+            self._client._put_back(self._key, conn)
+
+
+class UpstreamClient:
+    """Keep-alive connections to the HTTP members (an async context manager: closes them all on exit)."""
+
+    def __init__(self, max_idle_per_origin: int = MAX_IDLE_PER_ORIGIN, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self.max_idle_per_origin = max_idle_per_origin
+        self.idle_timeout_s = idle_timeout_s
+        self._ssl_context = ssl_context
+        self._idle: dict[Origin, list[_Connection]] = {}
+        self._busy: set[_Connection] = set()
+        self.num_connects = 0
+
+    async def __aenter__(self) -> UpstreamClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()
+        for conn in self._busy:
+            conn.close()
+        self._busy.clear()
+
+    async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        """POST ``body`` to ``base_url + path``; return once the status line and headers are in."""
+        key = origin_of(base_url)
+        extra = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+        if extra.count("\n") != len(headers) or extra.count("\r") != len(headers):
+            raise ValueError("a header name or value holds a line break")
+        data = (f"POST {key.path_prefix}{path} HTTP/1.1\r\n".encode("latin-1") + key.head_prefix
+                + f"Content-Length: {len(body)}\r\nAccept-Encoding: identity\r\n{extra}\r\n".encode("latin-1")
+                + body)
+        for attempt in range(2):
+            conn, is_reused = self._take_idle(key), True
+            if conn is None:
+                conn, is_reused = await self._connect(key), False
+            self._busy.add(conn)
+            try:
+                status, response_headers = await conn.send(data)
+            except UpstreamError as exc:
+                self._busy.discard(conn)
+                conn.close()
+                if is_reused and exc.nothing_received and attempt == 0:
+                    continue  # the member had closed this idle connection as we sent: once more, on a new one
+                raise
+            except BaseException:  # cancelled (the caller's timeout, the client went away): mid-request
+                self._busy.discard(conn)
+                conn.close()
+                raise
+            return UpstreamResponse(self, key, conn, status, response_headers)
+        raise AssertionError("unreachable")
+
+    async def _connect(self, key: Origin) -> _Connection:
+        loop = asyncio.get_running_loop()
+        context = None
+        if key.is_tls:
+            context = self._ssl_context or ssl.create_default_context()
+        _, conn = await loop.create_connection(_Connection, key.host, key.port, ssl=context,
+                                               server_hostname=key.host if context else None)
+        self.num_connects += 1
+        return conn
+
+    def _take_idle(self, key: Origin) -> _Connection | None:
+        conns = self._idle.get(key)
+        now = time.monotonic()
+        while conns:
+            conn = conns.pop()  # most recently used first: the one least likely to have been closed
+            if not conn.is_closed and now - conn.idle_since < self.idle_timeout_s:
+                return conn
+            conn.close()
+        return None
+
+    def _put_back(self, key: Origin, conn: _Connection) -> None:
+        self._busy.discard(conn)
+        if not conn.is_reusable:
+            conn.close()
+            return
+        conns = self._idle.setdefault(key, [])
+        if len(conns) >= self.max_idle_per_origin:
+            conns.pop(0).close()
+        conn.idle_since = time.monotonic()
+        conns.append(conn)
