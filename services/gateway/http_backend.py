@@ -26,7 +26,7 @@ from proto import Usage
 from services.common.http import HTTPError, error_body
 from services.common.pool_config import MemberConfig
 from services.common.runtime import raise_if_cancelling
-from services.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse
+from services.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse, UpstreamTimeout
 
 _json = msgspec.json.Encoder()
 _MAX_HELD_LINE = 1 << 20  # bytes of an unfinished line held back while waiting for its end
@@ -101,11 +101,10 @@ class HttpBackend:
             options["include_usage"] = True
             upstream["stream_options"] = options
         try:
-            async with asyncio.timeout(self.first_byte_timeout_s):
-                resp = await self.client.post(member.backend, ENDPOINT_PATHS[endpoint], _json.encode(upstream),
-                                              {"Content-Type": "application/json", **headers})
-        except TimeoutError:
-            raise_if_cancelling()
+            resp = await self.client.post(member.backend, ENDPOINT_PATHS[endpoint], _json.encode(upstream),
+                                          {"Content-Type": "application/json", **headers},
+                                          self.first_byte_timeout_s, self.request_timeout_s)
+        except UpstreamTimeout:
             raise MemberUnavailable(member.member_id, "no response within the first-byte deadline") from None
         except UpstreamError as exc:
             raise MemberUnavailable(member.member_id, f"no answer: {exc}") from None
@@ -133,30 +132,39 @@ class HttpBackend:
             raise error
         return resp
 
+    def _timed_out(self) -> HTTPError:
+        return HTTPError(504, f"the request ran past the gateway's request timeout ({self.request_timeout_s:g} s)",
+                         code="request_timeout")
+
     async def relay(self, request: web.Request, resp: UpstreamResponse, stream: bool, client_wants_usage: bool,
                     request_id: str, on_first_byte: Callable[[], None], member_id: str = ""
                     ) -> tuple[web.StreamResponse, UpstreamResult]:
         result = UpstreamResult(http_status=resp.status)
         started = time.monotonic()
+        if not stream:  # the connection's own deadline bounds the read (no task timer needed)
+            try:
+                raw = await resp.read()
+            except UpstreamTimeout:
+                raise self._timed_out() from None
+            except UpstreamError as exc:  # nothing reached the client: the next member may answer
+                raise MemberUnavailable(member_id, f"the answer broke off: {exc}") from None
+            finally:
+                resp.release()
+            on_first_byte()
+            result.ttft_ms = (time.monotonic() - started) * 1000.0
+            try:
+                body = msgspec.json.decode(raw)
+                result.usage = _usage(body.get("usage"))
+                choices = body.get("choices") or [{}]
+                result.finish_reason = choices[0].get("finish_reason")
+            except (msgspec.DecodeError, AttributeError, IndexError, RecursionError):
+                pass
+            return web.Response(body=raw, status=resp.status, content_type="application/json",
+                                headers={"X-Request-Id": request_id}), result
         out: web.StreamResponse | None = None
         try:
+            # a stream's deadline also covers the writes to a slow client, so it is a task timeout
             async with asyncio.timeout(self.request_timeout_s):
-                if not stream:
-                    try:
-                        raw = await resp.read()
-                    except UpstreamError as exc:  # nothing reached the client: the next member may answer
-                        raise MemberUnavailable(member_id, f"the answer broke off: {exc}") from None
-                    on_first_byte()
-                    result.ttft_ms = (time.monotonic() - started) * 1000.0
-                    try:
-                        body = msgspec.json.decode(raw)
-                        result.usage = _usage(body.get("usage"))
-                        choices = body.get("choices") or [{}]
-                        result.finish_reason = choices[0].get("finish_reason")
-                    except (msgspec.DecodeError, AttributeError, IndexError):
-                        pass
-                    return web.Response(body=raw, status=resp.status, content_type="application/json",
-                                        headers={"X-Request-Id": request_id}), result
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                   "X-Request-Id": request_id})
                 await out.prepare(request)
@@ -206,12 +214,11 @@ class HttpBackend:
                 return out, result
         except (TimeoutError, UpstreamError) as exc:
             raise_if_cancelling()
-            if isinstance(exc, UpstreamError):
+            if isinstance(exc, UpstreamError) and not isinstance(exc, UpstreamTimeout):
                 err = HTTPError(502, f"the member's stream broke off: {exc}", code="upstream_error",
                                 type="server_error")
             else:
-                err = HTTPError(504, f"the request ran past the gateway's request timeout "
-                                     f"({self.request_timeout_s:g} s)", code="request_timeout")
+                err = self._timed_out()
             if out is None or not out.prepared:
                 raise err from None
             # the status line is gone already: end the stream with an error event, as for our own engines

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 CHARS_PER_TOKEN = 4  # a rough prompt-size estimate for the max_context filter; the engine checks exactly
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decision:
     pick: routing.Pick
     request: routing.RouteRequest

@@ -456,7 +456,9 @@ class GatewayService:
         if request.content_length is not None and request.content_length > limit:
             raise HTTPError(413, f"request body is {request.content_length} bytes; the limit is {limit}",
                             code="body_too_large")
-        return await handler(request.clone(client_max_size=limit))
+        if limit != request.app._client_max_size:  # a reload changed it: this request reads with the new one
+            request = request.clone(client_max_size=limit)
+        return await handler(request)
 
     def _model_card(self, name: str) -> dict[str, Any]:
         resolved = pools.resolve(name, self.file_config, self.fleet)

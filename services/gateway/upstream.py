@@ -14,14 +14,17 @@ that on an :class:`asyncio.Protocol` per connection:
 - a body the reader does not take fast enough pauses the socket (1 MiB held at most).
 
 Errors: :class:`UpstreamError` for a connection that failed, closed early or spoke something that is
-not HTTP/1.x; ``OSError`` (refused, unreachable, TLS) from connecting. Timeouts are the caller's: wrap a
-call in ``asyncio.timeout``; cancelling a request closes its connection.
+not HTTP/1.x, and its :class:`UpstreamTimeout` for a deadline passed; ``OSError`` (refused, unreachable,
+TLS) from connecting. The deadlines are checked every 50 ms by one timer for all requests in progress:
+two ``asyncio.timeout`` (or timer handles) per request cost ~5 % of the gateway's CPU at 6,000 req/s.
+Cancelling a request closes its connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import ssl
 import time
 import zlib
@@ -34,6 +37,7 @@ from urllib.parse import unquote, urlsplit
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HELD_BODY_BYTES = 1 << 20
 IDLE_TIMEOUT_S = 60.0
+DEADLINE_TICK_S = 0.05  # how often the deadlines of requests in progress are checked (their precision)
 MAX_IDLE_PER_ORIGIN = 256
 
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
@@ -48,6 +52,15 @@ class UpstreamError(Exception):
     def __init__(self, message: str, nothing_received: bool = False) -> None:
         super().__init__(message)
         self.nothing_received = nothing_received
+
+
+class UpstreamTimeout(UpstreamError):
+    """A deadline passed: ``phase`` is ``"first_byte"`` (no status line yet) or ``"total"`` (the whole answer)."""
+
+    def __init__(self, phase: str, nothing_received: bool) -> None:
+        super().__init__(f"no {'answer' if phase == 'first_byte' else 'complete answer'} within the deadline",
+                         nothing_received)
+        self.phase = phase
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,7 @@ class _Connection(asyncio.Protocol):
         self._error: UpstreamError | None = None
         self._is_paused = False
         self.keep_alive = False
+        self.first_byte_at = self.total_at = math.inf
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------------
 
@@ -137,14 +151,27 @@ class _Connection(asyncio.Protocol):
 
     # ---- requests -----------------------------------------------------------------------------------
 
-    def send(self, data: bytes) -> asyncio.Future[tuple[int, dict[str, str]]]:
+    def send(self, data: bytes, first_byte_at: float, total_at: float) -> asyncio.Future[tuple[int, dict[str, str]]]:
+        """Send one request; the status line is due by ``first_byte_at``, the whole answer by ``total_at``
+        (loop times; :meth:`check_deadline` enforces them)."""
         assert self.transport is not None and self._state == _DONE
         self._state, self._received_any, self._error = _HEAD, False, None
         self._body.clear()
         self._held, self._body_done, self.keep_alive = 0, False, False
         self._head = asyncio.get_running_loop().create_future()
+        self.first_byte_at, self.total_at = first_byte_at, total_at
         self.transport.write(data)
         return self._head
+
+    def check_deadline(self, now: float) -> None:
+        """Fail the request in progress (and close) if a deadline passed."""
+        if self._state == _DONE:
+            return
+        phase = "first_byte" if self._state == _HEAD and now >= self.first_byte_at else \
+            "total" if now >= self.total_at else None
+        if phase is not None:
+            self._fail(UpstreamTimeout(phase, nothing_received=not self._received_any))
+            self.close()
 
     async def next_chunk(self) -> bytes | None:
         """The body bytes that arrived since the last call (joined), or None once the body is complete."""
@@ -345,6 +372,7 @@ class UpstreamClient:
         self._ssl_context = ssl_context
         self._idle: dict[Origin, list[_Connection]] = {}
         self._busy: set[_Connection] = set()
+        self._ticker: asyncio.TimerHandle | None = None
         self.num_connects = 0
 
     async def __aenter__(self) -> UpstreamClient:
@@ -354,6 +382,9 @@ class UpstreamClient:
         self.close()
 
     def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
         for conns in self._idle.values():
             for conn in conns:
                 conn.close()
@@ -362,8 +393,14 @@ class UpstreamClient:
             conn.close()
         self._busy.clear()
 
-    async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        """POST ``body`` to ``base_url + path``; return once the status line and headers are in."""
+    async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str],
+                   first_byte_timeout_s: float | None = None, total_timeout_s: float | None = None
+                   ) -> UpstreamResponse:
+        """POST ``body`` to ``base_url + path``; return once the status line and headers are in.
+
+        ``first_byte_timeout_s`` bounds connecting plus the wait for the status line, ``total_timeout_s``
+        the whole answer (its body is read through the response): past either, :class:`UpstreamTimeout`.
+        """
         key = origin_of(base_url)
         extra = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
         if extra.count("\n") != len(headers) or extra.count("\r") != len(headers):
@@ -374,14 +411,27 @@ class UpstreamClient:
         for attempt in range(2):
             conn, is_reused = self._take_idle(key), True
             if conn is None:
-                conn, is_reused = await self._connect(key), False
+                started = asyncio.get_running_loop().time()
+                try:
+                    async with asyncio.timeout(first_byte_timeout_s):
+                        conn, is_reused = await self._connect(key), False
+                except TimeoutError:
+                    raise UpstreamTimeout("first_byte", nothing_received=True) from None
+                spent_s = asyncio.get_running_loop().time() - started
+                first_byte_timeout_s = None if first_byte_timeout_s is None else first_byte_timeout_s - spent_s
+                total_timeout_s = None if total_timeout_s is None else total_timeout_s - spent_s
             self._busy.add(conn)
+            now = asyncio.get_running_loop().time()
+            if self._ticker is None:
+                self._ticker = asyncio.get_running_loop().call_at(now + DEADLINE_TICK_S, self._check_deadlines)
             try:
-                status, response_headers = await conn.send(data)
+                status, response_headers = await conn.send(
+                    data, now + (math.inf if first_byte_timeout_s is None else first_byte_timeout_s),
+                    now + (math.inf if total_timeout_s is None else total_timeout_s))
             except UpstreamError as exc:
                 self._busy.discard(conn)
                 conn.close()
-                if is_reused and exc.nothing_received and attempt == 0:
+                if is_reused and exc.nothing_received and attempt == 0 and not isinstance(exc, UpstreamTimeout):
                     continue  # the member had closed this idle connection as we sent: once more, on a new one
                 raise
             except BaseException:  # cancelled (the caller's timeout, the client went away): mid-request
@@ -390,6 +440,14 @@ class UpstreamClient:
                 raise
             return UpstreamResponse(self, key, conn, status, response_headers)
         raise AssertionError("unreachable")
+
+    def _check_deadlines(self) -> None:
+        """Every :data:`DEADLINE_TICK_S` while requests are out: one timer for all of them, not two per request."""
+        now = asyncio.get_running_loop().time()
+        for conn in list(self._busy):
+            conn.check_deadline(now)
+        self._ticker = asyncio.get_running_loop().call_at(now + DEADLINE_TICK_S, self._check_deadlines) \
+            if self._busy else None
 
     async def _connect(self, key: Origin) -> _Connection:
         loop = asyncio.get_running_loop()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.upstream import UpstreamClient, UpstreamError, origin_of
+from services.gateway.upstream import UpstreamClient, UpstreamError, UpstreamTimeout, origin_of
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
@@ -274,3 +274,33 @@ async def test_https_members_are_verified_and_served(tmp_path: Path) -> None:
         async with UpstreamClient() as client:  # the system's trust store does not know this certificate
             with pytest.raises(ssl.SSLError):
                 await post(client, port, base=f"https://localhost:{port}")
+
+
+async def test_deadlines_are_kept_by_the_connection_and_end_it() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int) -> None:
+        await read_request(reader)
+        if number == 2:  # the status line at once, then a body that never finishes
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+            await writer.drain()
+        elif number == 3:
+            writer.write(OK)
+            await writer.drain()
+        await reader.read()
+
+    async with raw_server(handler) as port, UpstreamClient() as client:
+        base = f"http://127.0.0.1:{port}"
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(UpstreamTimeout) as info:  # no status line at all
+            await client.post(base, "/x", b"{}", {}, first_byte_timeout_s=0.2, total_timeout_s=30)
+        assert (info.value.phase, info.value.nothing_received) == ("first_byte", True)
+        assert 0.15 < loop.time() - started < 2.0
+
+        resp = await client.post(base, "/x", b"{}", {}, first_byte_timeout_s=5, total_timeout_s=0.3)
+        with pytest.raises(UpstreamTimeout) as info:  # the body stalls past the whole-answer deadline
+            await resp.read()
+        resp.release()
+        assert info.value.phase == "total"
+
+        assert (await post(client, port))[0] == 200  # both timed-out connections were closed, not reused
+        assert client.num_connects == 3
