@@ -606,6 +606,18 @@ def report(cells: list[Cell], notes: list[str], tool: str, duration: int, concur
                 print(f"| {'stream' if stream else 'json'} | {conc} | {g.rps / lt.rps:.1f}x | "
                       f"{ratio(lt.p50_ms - d.p50_ms, g.p50_ms - d.p50_ms)} | "
                       f"{ratio(lt.p99_ms - d.p99_ms, g.p99_ms - d.p99_ms)} |")
+    if any(c.target == "litellm" for c in cells):
+        print()
+        print("Saturation (each target's best req/s over the concurrencies run: its throughput per process):")
+        print()
+        print("| mode | gateway max req/s | LiteLLM max req/s | gateway/LiteLLM |")
+        print("|---|---|---|---|")
+        for stream in (False, True):
+            best = {t: max((c.rps for c in cells if c.target == t and c.stream == stream), default=0.0)
+                    for t in ("gateway", "litellm")}
+            if best["gateway"] and best["litellm"]:
+                print(f"| {'stream' if stream else 'json'} | {best['gateway']:,.0f} | {best['litellm']:,.0f} | "
+                      f"{best['gateway'] / best['litellm']:.1f}x |")
     if any(c.errors for c in cells):
         print("\nWARNING: some requests failed (errors column); their cells' figures exclude them.")
 
