@@ -26,7 +26,8 @@ from tests.integration.conftest import wait_for
 
 @dataclass
 class Member:
-    """An OpenAI-shaped fixture server whose chat answer is ``mode``: ok, 500, 429 or 408."""
+    """An OpenAI-shaped fixture server whose chat answer is ``mode``: ok, 500, 429, 408, or cut (the status
+    line and part of the body, then the connection dropped)."""
 
     mode: str = "ok"
     hits: int = 0
@@ -40,6 +41,13 @@ class Member:
         self.bodies.append(body)
         if body.get("stream"):
             return await self.stream(request, body)
+        if self.mode == "cut":
+            resp = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "400"})
+            await resp.prepare(request)
+            await resp.write(b'{"id": "c1", "object": "chat.completion", ')
+            assert request.transport is not None
+            request.transport.close()
+            return resp
         if self.mode == "500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
         if self.mode == "408":
@@ -65,6 +73,13 @@ class Member:
         wire += b"data: [DONE]\n\n"
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.mode == "cut":  # two events and half of the third, then gone
+            cut_at = wire.index(b"rld")  # inside the third word's event
+            await resp.write(wire[:cut_at])
+            await asyncio.sleep(0.05)
+            assert request.transport is not None
+            request.transport.close()
+            return resp
         for start in range(0, len(wire), 37):  # 37 bytes at a time: most pieces end mid-line
             await resp.write(wire[start:start + 37])
             await asyncio.sleep(0.001)
@@ -200,3 +215,30 @@ async def test_parameters_our_engines_lack_still_reach_an_http_member_as_sent(na
                                                     tools=tools, tool_choice="auto")  # type: ignore[arg-type]
         assert reply.choices[0].message.content == "hello"
         assert s.members[0].bodies[-1]["tools"] == tools and s.members[0].bodies[-1]["tool_choice"] == "auto"
+
+
+async def test_a_member_that_drops_a_json_answer_halfway_fails_over(nats_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async with gateway_over(nats_server, tmp_path, ["cut", "ok"]) as s:
+        reply = await _ask(s.api)  # nothing had reached the client: the next member answers it whole
+        assert reply.choices[0].message.content == "hello"
+        assert [m.hits for m in s.members] == [1, 1]
+        assert s.gateway.metrics.failovers[pool_config.member_id_for(s.members[0].url)] == 1
+
+
+async def test_a_stream_the_member_drops_ends_with_an_error_event_and_is_recorded_as_an_error(  # type: ignore[no-untyped-def]
+        nats_server, tmp_path) -> None:
+    async with gateway_over(nats_server, tmp_path, ["cut"]) as s:
+        reader = await connect(nats_server.url, "usage-reader")
+        try:
+            sub = await reader.subscribe(subjects.USAGE_SUBJECTS)
+            stream = await s.api.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                         stream=True)
+            text = ""
+            with pytest.raises(openai.APIError, match="broke off"):  # the SDK raises on the error event
+                async for chunk in stream:
+                    text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+            assert text == "hello "  # what had come through before the member went away
+            record = decode((await sub.next_msg(timeout=5)).data, UsageRecord)
+            assert (record.status, record.http_status, record.error_code) == ("error", 502, "upstream_error")
+        finally:
+            await reader.close()
