@@ -76,6 +76,11 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return await handler(request)
     except HTTPError as err:
         return error_response(err)
+    except ConnectionResetError:
+        # The client went away while we wrote to it (aiohttp cancels the handler too, but a write can get there
+        # first). Nobody is left to answer and nothing went wrong here: no traceback. aiohttp drops this
+        # response quietly when it finds the connection closed.
+        return web.Response(status=499, reason="Client Closed Request")
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(HTTPError(413, f"request body too large: {exc.text}", code="body_too_large"))
     except web.HTTPException as exc:
