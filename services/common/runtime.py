@@ -62,11 +62,9 @@ class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
             self._dirty.set()
 
     def write_info_line(self, name: str, message: str) -> None:
-        """What ``emit`` writes for an INFO record of logger ``name`` (see :class:`HotPathLog`)."""
-        formatter = self.formatter
-        if not isinstance(formatter, _Formatter):
-            raise TypeError("write_info_line needs the formatter setup_logging installs")
-        line = formatter.info_line(name, message, time.time())
+        """What ``emit`` writes for an INFO record of logger ``name``, when the formatter is setup_logging's
+        (:class:`HotPathLog` checks that before it calls)."""
+        line = self.formatter.info_line(name, message, time.time())  # type: ignore[union-attr]
         with self.lock:  # type: ignore[union-attr]
             self.stream.write(line)
         if not self._dirty.is_set():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,19 @@ class Decision:
 
 
 def policy_for(pool: PoolConfig) -> routing.PoolPolicy:
-    return routing.PoolPolicy(overflow_threshold=pool.overflow_threshold, cache_affinity=pool.cache_affinity,
-                              sticky_bias=pool.sticky_bias, capacity_bias=pool.capacity_bias)
+    return _policy(pool.overflow_threshold, pool.cache_affinity, pool.sticky_bias, pool.capacity_bias)
 
 
+# Asked for on every request: built once per distinct setting (the policy and weights are frozen, so one object
+# serves every request and every pool with those values, discovered pools included).
+@lru_cache(maxsize=256)
+def _policy(overflow_threshold: float, cache_affinity: bool, sticky_bias: float, capacity_bias: float
+            ) -> routing.PoolPolicy:
+    return routing.PoolPolicy(overflow_threshold=overflow_threshold, cache_affinity=cache_affinity,
+                              sticky_bias=sticky_bias, capacity_bias=capacity_bias)
+
+
+@lru_cache(maxsize=64)
 def weights_for(metrics: MetricsConfig, stale_after_s: float) -> routing.RoutingWeights:
     return routing.RoutingWeights(ninfer_lane_weight=metrics.ninfer_lane_weight,
                                   ninfer_queue_weight=metrics.ninfer_queue_weight,
@@ -75,7 +85,6 @@ class Router:
         self.affinity = AffinityTable(max_entries=max_entries)
         self.pins = PinTable(max_entries=max_entries)
         self.weights = routing.RoutingWeights()
-        self._policies: dict[int, tuple[PoolConfig, routing.PoolPolicy]] = {}  # id(pool) → (pool, its policy)
         if self.dir is not None:
             self._load(now_s)
 
@@ -119,7 +128,7 @@ class Router:
     def decide(self, resolved: ResolvedPool, parsed: openai_api.ParsedRequest, session_key: str | None,
                is_session_header: bool, fleet: Fleet, now_s: float, weights: routing.RoutingWeights,
                rng: random.Random) -> Decision:
-        policy = self._policy(resolved.pool)
+        policy = policy_for(resolved.pool)
         messages = parsed.generate.messages
         keys = prefix_hashes(messages) if messages and policy.cache_affinity else ()
         chars = sum(len(m.content) for m in messages) if messages else len(parsed.generate.prompt or "")
@@ -129,17 +138,6 @@ class Router:
         pick = routing.pick(policy, weights, self._states(resolved, fleet, now_s), request, self.affinity,
                             self.pins, now_s, rng)
         return Decision(pick, request, policy)
-
-    def _policy(self, pool: PoolConfig) -> routing.PoolPolicy:
-        """``policy_for(pool)``, built once per pool config (a reload makes new PoolConfig objects)."""
-        cached = self._policies.get(id(pool))
-        if cached is not None and cached[0] is pool:
-            return cached[1]
-        if len(self._policies) > 1024:  # configs replaced by reloads
-            self._policies.clear()
-        policy = policy_for(pool)
-        self._policies[id(pool)] = (pool, policy)
-        return policy
 
     def record_success(self, decision: Decision, member_id: str, now_s: float) -> None:
         routing.record_route(decision.policy, decision.request, decision.pick, member_id, self.affinity,

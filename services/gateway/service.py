@@ -140,7 +140,6 @@ class GatewayService:
         self._request_count = 0
         self.usage_published = 0
         self._config_mtime: float | None = None
-        self._weights_cache: tuple[Any, float, routing.RoutingWeights] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -456,7 +455,7 @@ class GatewayService:
         if request.content_length is not None and request.content_length > limit:
             raise HTTPError(413, f"request body is {request.content_length} bytes; the limit is {limit}",
                             code="body_too_large")
-        if limit != request.app._client_max_size:  # a reload changed it: this request reads with the new one
+        if limit != self.config.max_body_bytes:  # what app() set; a reload changed it: read with the new one
             request = request.clone(client_max_size=limit)
         return await handler(request)
 
@@ -545,10 +544,7 @@ class GatewayService:
         return web.json_response(decision.explain())
 
     def _weights(self) -> routing.RoutingWeights:
-        key = (self.file_config.metrics, self.stale_after_s)
-        if self._weights_cache is None or self._weights_cache[0] is not key[0] or self._weights_cache[1] != key[1]:
-            self._weights_cache = (*key, routing_adapter.weights_for(*key))
-        return self._weights_cache[2]
+        return routing_adapter.weights_for(self.file_config.metrics, self.stale_after_s)
 
     @staticmethod
     def _parse(body: dict[str, Any], endpoint: str) -> openai_api.ParsedRequest:

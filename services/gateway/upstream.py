@@ -143,12 +143,6 @@ class _Connection(asyncio.Protocol):
                                      f"{f' ({exc})' if exc else ''}", nothing_received=not self._received_any))
         self._wake()
 
-    def pause_writing(self) -> None:  # a request body never outgrows the socket buffer by much: nothing to do
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # ---- requests -----------------------------------------------------------------------------------
 
     def send(self, data: bytes, first_byte_at: float, total_at: float) -> asyncio.Future[tuple[int, dict[str, str]]]:
