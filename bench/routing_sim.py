@@ -11,7 +11,8 @@ batch, an LRU prefix cache in blocks) publish a heartbeat every 0.5 s. Policies:
 - ``go_gateway``: the existing gateway: a 10 s poll, ``max(score, (running + in_flight)/lanes)``,
   cache affinity keyed two or more messages deep, sticky sessions;
 - ``ours``: ``services.gateway.routing.pick`` + ``record_route`` with fresh heartbeats, bookings,
-  affinity and pins (imported, not re-implemented).
+  affinity (bounded per engine by the cache size its heartbeat states) and pins (imported, not
+  re-implemented).
 
 Workloads: ``shared`` (tenants sharing long system prompts, single turn), ``chat`` (multi-turn
 sessions), ``unique`` (no sharing), ``bursts`` (``shared`` arriving in on/off bursts). Load is a fraction
@@ -45,6 +46,7 @@ from services.gateway.routing import (  # noqa: E402
     PoolPolicy,
     RouteRequest,
     RoutingWeights,
+    cache_capacity_chars,
     load_score,
     pick,
     prefix_hashes,
@@ -333,7 +335,7 @@ class Engine:
             worker_id=self.worker_id, session_id="s", seq=self.seq, ts_s=now, model_id="m", engine_kind="ninfer",
             lanes=LANES, running=len(self.running), waiting=len(self.waiting), max_pending=MAX_WAITING,
             kv_usage=min(used / CACHE_BLOCKS, 1.0), kv_evictions_total=0, admitted_total=self.admitted,
-            admitted_by_gateway={GATEWAY_ID: self.admitted},
+            admitted_by_gateway={GATEWAY_ID: self.admitted}, kv_capacity_tokens=CACHE_BLOCKS * BLOCK_TOKENS,
         )
 
 
@@ -503,7 +505,8 @@ class Ours(Policy):
         chars = request.prefix_keys[-1].prefix_chars - hit if request.prefix_keys else 0
         self.expected_chars[r.rid] = (i, chars)
         self.pending_chars[i] += chars
-        record_route(self.policy, request, p, self.ids[i], self.affinity, self.pins, now)  # type: ignore[arg-type]
+        record_route(self.policy, request, p, self.ids[i], self.affinity, self.pins, now,  # type: ignore[arg-type]
+                     cache_capacity_chars(self.hb[i]))
 
 
     def first_token(self, r: Req) -> None:

@@ -181,6 +181,9 @@ class SlotHeartbeat(_Msg):
     # Appended (a reader older than it ignores the key; a message older than it decodes as None): the
     # engine's own last-30-days figure (NInfer /usage ``energy.rolling_30d.wh``), None where not reported.
     energy_30d_wh: float | None = None
+    # Appended: how many tokens the KV cache holds (blocks x block size), so a gateway can bound what its
+    # cache-affinity table credits the engine with holding (docs/routing.md §4); None where unknown.
+    kv_capacity_tokens: int | None = None
 
 
 class EnergyReading(_Msg):

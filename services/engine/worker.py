@@ -134,6 +134,7 @@ class BusWorker:
             prompt_tokens_queried_total=s.num_prompt_tokens_queried,
             prompt_tokens_hit_total=s.num_prompt_tokens_hit, prefill_tok_per_s=snap.prefill_tok_per_s,
             decode_tok_per_s=snap.decode_tok_per_s, heartbeat_interval_s=self.config.heartbeat_interval_s,
+            kv_capacity_tokens=snap.kv_capacity_tokens,
         )
 
     async def _publish_heartbeat(self) -> None:

@@ -24,6 +24,9 @@ from typing import Any, NamedTuple
 
 _DIGEST_BYTES = 16
 _TABLE_SCHEMA = 1
+# How many members one prefix key credits (the most recent ones). Tuned with bench/routing_sim.py
+# (docs/routing.md §7): 1 forgets that earlier holders still hold a popular prefix, and misroutes around them.
+MEMBERS_PER_KEY = 4
 
 
 class PrefixKey(NamedTuple):
@@ -73,6 +76,7 @@ def prefix_hashes(messages: Sequence[Any]) -> tuple[PrefixKey, ...]:
 class _Entry:
     depth: int
     prefix_chars: int
+    own_chars: int  # this depth's message alone: what the prefix adds over its parent
     members: dict[str, float] = field(default_factory=dict)  # member → last recorded (oldest first)
 
 
@@ -80,17 +84,25 @@ class AffinityTable:
     """Prefix key → the members that served it recently. LRU over keys (``max_entries``) plus a TTL.
 
     Each key remembers up to ``max_members_per_key`` members (most recent last): when load spreads a
-    popular prefix over several members, every one of them holds it, and each is credited.
-    Lookups cost O(len(keys) · max_members_per_key), never a scan of the table.
+    popular prefix over several members, every one of them holds it, and each is credited. Each member's
+    credit is also bounded by its cache size when the caller knows it (``record(capacity_chars=…)``): the
+    member's least recently recorded prefixes beyond that are forgotten for it, as its engine evicts them.
+    Lookups cost O(len(keys) · max_members_per_key), never a scan of the table; a record, O(len(keys))
+    plus what it forgets.
     """
 
-    def __init__(self, max_entries: int = 100_000, ttl_s: float = 600.0, max_members_per_key: int = 1) -> None:
+    def __init__(self, max_entries: int = 100_000, ttl_s: float = 600.0,
+                 max_members_per_key: int = MEMBERS_PER_KEY) -> None:
         if max_entries < 1 or ttl_s <= 0 or max_members_per_key < 1:
             raise ValueError("AffinityTable: max_entries, ttl_s and max_members_per_key must be positive")
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self.max_members_per_key = max_members_per_key
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        # per member: the prefixes it holds in its own LRU order (digest → own chars) and their sum, so a
+        # member's share of the table can be bounded by what its cache holds (``record(capacity_chars=…)``)
+        self._held: dict[str, OrderedDict[str, int]] = {}
+        self._held_chars: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -121,20 +133,56 @@ class AffinityTable:
                     hits[member_id] = AffinityHit(member_id, key.depth, key.prefix_chars)
         return hits
 
-    def record(self, keys: Sequence[PrefixKey], member_id: str, now_s: float) -> None:
-        """``member_id`` served a request with these keys (every depth): it now holds each prefix."""
+    def record(self, keys: Sequence[PrefixKey], member_id: str, now_s: float,
+               capacity_chars: int | None = None) -> None:
+        """``member_id`` served a request with these keys (every depth): it now holds each prefix.
+
+        ``capacity_chars``: how much prompt text the member's prefix cache holds (docs/routing.md §4). The
+        member's least recently used prefixes beyond it are forgotten for that member, the deepest first
+        within one request (an engine's LRU cache evicts a sequence's tail blocks before its head).
+        """
+        held = self._held.setdefault(member_id, OrderedDict())
+        parent_chars = 0
         for key in keys:
+            own = key.prefix_chars - parent_chars
+            parent_chars = key.prefix_chars
             entry = self._entries.get(key.digest)
             if entry is None:
-                entry = self._entries[key.digest] = _Entry(key.depth, key.prefix_chars)
+                entry = self._entries[key.digest] = _Entry(key.depth, key.prefix_chars, own)
             else:
                 self._entries.move_to_end(key.digest)
                 entry.members.pop(member_id, None)
             entry.members[member_id] = now_s
             while len(entry.members) > self.max_members_per_key:
-                del entry.members[next(iter(entry.members))]
+                self._release(next(iter(entry.members)), key.digest, entry)
+        for key in reversed(keys):  # the head of the conversation is the most recently used
+            if key.digest in held:
+                held.move_to_end(key.digest)
+            else:
+                held[key.digest] = self._entries[key.digest].own_chars
+                self._held_chars[member_id] = self._held_chars.get(member_id, 0) + held[key.digest]
+        if capacity_chars is not None:
+            while self._held_chars.get(member_id, 0) > capacity_chars and len(held) > 1:
+                digest = next(iter(held))
+                self._release(member_id, digest, self._entries.get(digest))
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            digest, entry = self._entries.popitem(last=False)
+            for m in list(entry.members):
+                self._release(m, digest, None)
+
+    def _release(self, member_id: str, digest: str, entry: _Entry | None) -> None:
+        """The table no longer credits ``member_id`` with ``digest`` (an entry left empty is dropped)."""
+        held = self._held.get(member_id)
+        if held is not None and digest in held:
+            self._held_chars[member_id] -= held.pop(digest)
+        if entry is not None:
+            entry.members.pop(member_id, None)
+            if not entry.members:
+                del self._entries[digest]
+
+    def held_chars(self, member_id: str) -> int:
+        """The prompt text the table credits ``member_id`` with holding."""
+        return self._held_chars.get(member_id, 0)
 
     def forget_member(self, member_id: str) -> None:
         """The member lost its cache (restart, removal). O(table): call on such events, never per request."""
@@ -143,34 +191,44 @@ class AffinityTable:
             entry.members.pop(member_id, None)
             if not entry.members:
                 del self._entries[digest]
+        self._held.pop(member_id, None)
+        self._held_chars.pop(member_id, None)
 
     def to_json(self, now_s: float) -> str:
         """Entries in LRU order (oldest first) with each member's age at ``now_s``."""
         entries = [
-            [digest, e.depth, e.prefix_chars, [[m, round(now_s - t, 3)] for m, t in e.members.items()]]
+            [digest, e.depth, e.prefix_chars, [[m, round(now_s - t, 3)] for m, t in e.members.items()], e.own_chars]
             for digest, e in self._entries.items()
         ]
         return json.dumps({"schema": _TABLE_SCHEMA, "saved_at_s": now_s, "entries": entries}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str, now_s: float, max_entries: int = 100_000, ttl_s: float = 600.0,
-                  max_members_per_key: int = 1) -> AffinityTable:
+                  max_members_per_key: int = MEMBERS_PER_KEY) -> AffinityTable:
         """Entries keep their age (plus the time since saving); expired ones are dropped.
 
-        Raises ValueError on a file of another schema or shape (the caller starts empty).
+        Each member's holdings are rebuilt in the order they were recorded (a row without its own-chars
+        figure, from an older file, counts its whole prefix). Raises ValueError on a file of another
+        schema or shape (the caller starts empty).
         """
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("schema") != _TABLE_SCHEMA:
             raise ValueError("affinity table: unknown schema")
         table = cls(max_entries, ttl_s, max_members_per_key)
         downtime_s = max(0.0, now_s - float(data["saved_at_s"]))
-        for digest, depth, chars, members in data["entries"]:
+        for digest, depth, chars, members, *rest in data["entries"]:
             live = {str(m): now_s - float(age) - downtime_s for m, age in members}
             live = {m: t for m, t in live.items() if table._is_live(t, now_s)}
             if live:
-                table._entries[str(digest)] = _Entry(int(depth), int(chars), live)
+                own = int(rest[0]) if rest else int(chars)
+                table._entries[str(digest)] = _Entry(int(depth), int(chars), own, live)
         while len(table._entries) > table.max_entries:
             table._entries.popitem(last=False)
+        # one record() stamps a request's keys alike and holds the deepest first (see record)
+        held = sorted((t, -e.depth, digest, m) for digest, e in table._entries.items() for m, t in e.members.items())
+        for _, _, digest, m in held:
+            table._held.setdefault(m, OrderedDict())[digest] = own = table._entries[digest].own_chars
+            table._held_chars[m] = table._held_chars.get(m, 0) + own
         return table
 
 

@@ -27,8 +27,13 @@ from services.gateway.affinity import AffinityHit, AffinityTable, PinTable, Pref
 
 __all__ = [
     "AffinityHit", "AffinityTable", "Candidate", "MemberState", "Pick", "PinTable", "PoolPolicy", "PrefixKey",
-    "RouteRequest", "RoutingWeights", "load_score", "pick", "prefix_hashes", "record_route", "unseen_bookings",
+    "RouteRequest", "RoutingWeights", "cache_capacity_chars", "load_score", "pick", "prefix_hashes", "record_route",
+    "unseen_bookings",
 ]
+
+# Prompt characters per token: a rough size estimate where only text is at hand (the max_context filter,
+# an engine's cache size in characters); the engine counts exactly.
+CHARS_PER_TOKEN = 4
 
 _NOT_ROUTABLE = frozenset({"down", "stopped", "draining"})
 
@@ -292,16 +297,25 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
     return Pick(winner.member_id, reason, tuple(c.member_id for c in ranked), candidates, pinned, pin_broken)
 
 
+def cache_capacity_chars(hb: SlotHeartbeat | None) -> int | None:
+    """How much prompt text a member's KV cache holds, from its heartbeat; None when it does not say."""
+    if hb is None or not hb.kv_capacity_tokens:
+        return None
+    return hb.kv_capacity_tokens * CHARS_PER_TOKEN
+
+
 def record_route(policy: PoolPolicy, request: RouteRequest, pick_: Pick, served_by: str,
-                 affinity: AffinityTable | None, pins: PinTable | None, now_s: float) -> None:
+                 affinity: AffinityTable | None, pins: PinTable | None, now_s: float,
+                 capacity_chars: int | None = None) -> None:
     """After ``served_by`` (the pick, or a failover member from ``pick_.ranked``) accepted the request.
 
-    Records every prefix depth for ``served_by`` (it now holds them) and keeps the session pinned: an
+    Records every prefix depth for ``served_by`` (it now holds them; ``capacity_chars``, from
+    :func:`cache_capacity_chars`, bounds what the table credits it with) and keeps the session pinned: an
     honoured pin stays where it was (even if a cheaper member won this time, the pin is only broken by
     busy or down); a broken, missing or failed-over pin moves to ``served_by``.
     """
     if policy.cache_affinity and affinity is not None and request.prefix_keys:
-        affinity.record(request.prefix_keys, served_by, now_s)
+        affinity.record(request.prefix_keys, served_by, now_s, capacity_chars)
     if pins is None or not request.session_key:
         return
     keep = pick_.pinned_member is not None and pick_.pin_broken is None and served_by == pick_.member_id

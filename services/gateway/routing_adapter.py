@@ -27,7 +27,7 @@ from services.gateway.pools import MemberRef, ResolvedPool
 
 log = logging.getLogger(__name__)
 
-CHARS_PER_TOKEN = 4  # a rough prompt-size estimate for the max_context filter; the engine checks exactly
+CHARS_PER_TOKEN = routing.CHARS_PER_TOKEN
 
 
 @dataclass(slots=True)
@@ -82,6 +82,7 @@ def weights_for(metrics: MetricsConfig, stale_after_s: float) -> routing.Routing
 class Router:
     def __init__(self, data_dir: Path | None, now_s: float, max_entries: int = 100_000) -> None:
         self.dir = data_dir / "routing" if data_dir is not None else None
+        self.max_entries = max_entries
         self.affinity = AffinityTable(max_entries=max_entries)
         self.pins = PinTable(max_entries=max_entries)
         self.weights = routing.RoutingWeights()
@@ -95,7 +96,7 @@ class Router:
             if not path.exists():
                 continue
             try:
-                table = cls.from_json(path.read_text(), now_s)
+                table = cls.from_json(path.read_text(), now_s, max_entries=self.max_entries)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring unreadable %s (%s); starting with an empty table", path, exc)
                 continue
@@ -139,9 +140,9 @@ class Router:
                             self.pins, now_s, rng)
         return Decision(pick, request, policy)
 
-    def record_success(self, decision: Decision, member_id: str, now_s: float) -> None:
+    def record_success(self, decision: Decision, member_id: str, fleet: Fleet, now_s: float) -> None:
         routing.record_route(decision.policy, decision.request, decision.pick, member_id, self.affinity,
-                             self.pins, now_s)
+                             self.pins, now_s, routing.cache_capacity_chars(fleet.record(member_id).heartbeat))
 
     def describe_member(self, resolved: ResolvedPool, ref: MemberRef, fleet: Fleet, now_s: float,
                         stale_after_s: float) -> dict[str, Any]:

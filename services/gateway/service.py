@@ -649,7 +649,7 @@ class GatewayService:
                 first_byte()
                 self.fleet.release(member_id)
             if outcome.status == "ok":
-                self.router.record_success(decision, member_id, time.time())
+                self.router.record_success(decision, member_id, self.fleet, time.time())
                 if decision.reason == "affinity":
                     self.metrics.affinity_hits += 1
             return response

@@ -56,6 +56,7 @@ class Reading:
     energy_today_wh: float | None = None
     energy_wh_total: float | None = None
     energy_30d_wh: float | None = None
+    kv_capacity_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,7 @@ def vllm_reading(metrics: Exposition, models: ModelsInfo, lanes: int | None = No
         raise MalformedBody("/metrics", "no vllm:num_requests_running")
     kv_usage = _ratio(metrics.mean("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
     blocks_total = _label_int(metrics, "vllm:cache_config_info", "num_gpu_blocks")
+    block_size = _label_int(metrics, "vllm:cache_config_info", "block_size")
     return Reading(
         engine_kind="vllm",
         model_id=_model_label(metrics, "vllm:num_requests_running") or models.model_id,
@@ -259,6 +261,7 @@ def vllm_reading(metrics: Exposition, models: ModelsInfo, lanes: int | None = No
         kv_usage=kv_usage,
         kv_blocks_used=round(kv_usage * blocks_total) if kv_usage is not None and blocks_total else None,
         kv_blocks_total=blocks_total or None,
+        kv_capacity_tokens=(blocks_total * block_size) if blocks_total and block_size else None,
         preemptions_total=_count(metrics.total("vllm:num_preemptions_total")),
         prompt_tokens_queried_total=_count(metrics.total("vllm:prefix_cache_queries_total",
                                                          "vllm:gpu_prefix_cache_queries_total")),
@@ -324,6 +327,7 @@ def sglang_reading(metrics: Exposition, models: ModelsInfo) -> Reading:
         kv_usage=_ratio(metrics.mean("sglang:token_usage")),
         kv_blocks_used=_count(metrics.total("sglang:num_used_tokens")),
         kv_blocks_total=_count(metrics.total("sglang:max_total_num_tokens")) or None,
+        kv_capacity_tokens=_count(metrics.total("sglang:max_total_num_tokens")) or None,  # its blocks are tokens
         decode_tok_per_s=metrics.total("sglang:gen_throughput"),
     )
 

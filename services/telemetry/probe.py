@@ -56,7 +56,8 @@ def heartbeat(member: Member, reading: Reading, *, session_id: str, seq: int, ts
         prompt_tokens_queried_total=reading.prompt_tokens_queried_total,
         prompt_tokens_hit_total=reading.prompt_tokens_hit_total, prefill_tok_per_s=reading.prefill_tok_per_s,
         decode_tok_per_s=reading.decode_tok_per_s, energy_today_wh=reading.energy_today_wh,
-        energy_30d_wh=reading.energy_30d_wh, heartbeat_interval_s=interval_s,
+        energy_30d_wh=reading.energy_30d_wh, kv_capacity_tokens=reading.kv_capacity_tokens,
+        heartbeat_interval_s=interval_s,
     )
 
 

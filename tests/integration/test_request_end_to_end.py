@@ -165,6 +165,9 @@ async def test_a_stopping_worker_says_so_in_a_final_heartbeat(stack: Stack) -> N
     run = asyncio.create_task(stack.worker.run())  # a second run loop we can stop on its own
     await wait_for(lambda: len(seen) >= 2)
     assert all(hb.lanes == 4 and hb.state == "ready" for hb in seen)
+    # the cache size a gateway bounds its affinity credit by (docs/routing.md §4)
+    assert all(hb.kv_capacity_tokens and hb.kv_blocks_total and hb.kv_capacity_tokens >= hb.kv_blocks_total
+               for hb in seen)
     run.cancel()
     await asyncio.gather(run, return_exceptions=True)
     await wait_for(lambda: seen[-1].state == "stopped")

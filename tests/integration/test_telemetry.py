@@ -166,6 +166,7 @@ async def test_each_engine_kind_is_detected_and_its_heartbeat_carries_what_it_sa
         v = hb["v"]
         assert v is not None and (v.model_id, v.running, v.waiting, v.kv_usage, v.kv_blocks_total, v.max_context) == (
             "Qwen/Qwen3-8B", 3, 2, 0.4, 2000, 32768)
+        assert v.kv_capacity_tokens == 2000 * 16  # num_gpu_blocks x block_size
         assert v.lanes is None  # vLLM does not export max_num_seqs: unknown, not 0
         l_, lo = hb["l"], hb["lo"]
         assert l_ is not None and (l_.lanes, l_.running, l_.waiting, l_.kv_usage) == (3, 1, 2, 0.25)

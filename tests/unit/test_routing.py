@@ -19,6 +19,7 @@ from services.gateway.routing import (
     PoolPolicy,
     RouteRequest,
     RoutingWeights,
+    cache_capacity_chars,
     load_score,
     pick,
     prefix_hashes,
@@ -363,6 +364,75 @@ def test_the_affinity_table_survives_a_restart_with_entries_keeping_their_age() 
     assert len(AffinityTable.from_json(text, now_s=110.0, ttl_s=100)) == 1
     with pytest.raises(ValueError):
         AffinityTable.from_json('{"schema": 99}', now_s=0.0)
+
+
+def _credited(table: AffinityTable) -> dict[str, int]:
+    """Each member's credited chars, summed from the persisted entries (own chars x membership)."""
+    out: Counter[str] = Counter()
+    for _digest, _depth, _chars, members, own in json.loads(table.to_json(0.0))["entries"]:
+        for m, _age in members:
+            out[m] += own
+    return dict(out)
+
+
+def test_a_members_credit_is_bounded_by_its_cache_size_and_forgets_its_least_recent_prefixes() -> None:
+    table = AffinityTable(ttl_s=600)
+    a = prefix_hashes(conversation("A" * 60, "q" * 10))  # own chars 60, 10
+    b = prefix_hashes(conversation("B" * 60, "r" * 10))
+    table.record(a, "e1", 0.0, capacity_chars=100)
+    table.record(a, "e2", 0.0, capacity_chars=100)
+    table.record(b, "e1", 1.0, capacity_chars=100)  # 140 > 100: e1 forgets a (e2 still holds it)
+    assert table.held_chars("e1") == 70 and set(table.lookup_members(a, 2.0)) == {"e2"}
+    assert table.lookup_members(b, 2.0)["e1"].depth == 2
+    # within one request the tail goes first: b's turn (10) before its system prompt (60)
+    table.record(a, "e1", 3.0, capacity_chars=140)
+    table.record(prefix_hashes(conversation("C" * 5)), "e1", 4.0, capacity_chars=140)  # 145: b's turn goes
+    assert table.lookup_members(b, 5.0)["e1"].depth == 1 and table.held_chars("e1") == 135
+    assert _credited(table) == {"e1": 135, "e2": 70}
+
+
+def test_a_request_larger_than_the_cache_keeps_its_head_and_no_capacity_keeps_everything() -> None:
+    table = AffinityTable(ttl_s=600)
+    keys = prefix_hashes(conversation("S" * 300, "q" * 50))
+    table.record(keys, "e1", 0.0, capacity_chars=200)
+    assert table.lookup_members(keys, 1.0)["e1"].depth == 1 and table.held_chars("e1") == 300
+    for i in range(50):
+        table.record(prefix_hashes(conversation(f"{i:02d}" + "x" * 98)), "e2", float(i))
+    assert table.held_chars("e2") == 50 * 100
+    assert "e2" in table.lookup_members(prefix_hashes(conversation("00" + "x" * 98)), 60.0)
+
+
+def test_record_route_bounds_the_credit_by_the_cache_size_the_heartbeat_states() -> None:
+    beat = SlotHeartbeat(worker_id="a", session_id="s", seq=1, ts_s=0.0, model_id="m", kv_capacity_tokens=25)
+    assert cache_capacity_chars(beat) == 100  # 4 characters per token
+    assert cache_capacity_chars(hb("a")) is None and cache_capacity_chars(None) is None
+    table = AffinityTable()
+    first, second = (RouteRequest(prefix_keys=prefix_hashes(conversation(c * 80))) for c in "xy")
+    for request in (first, second):
+        record_route(PoolPolicy(), request, choose([member(hb("a"))], request), "a", table, None, NOW,
+                     cache_capacity_chars(beat))
+    assert table.lookup_members(first.prefix_keys, NOW) == {} and "a" in table.lookup_members(second.prefix_keys, NOW)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 4), st.sampled_from(["a", "b", "c"]),
+                          st.sampled_from([None, 150, 400])), max_size=40))
+def test_credited_chars_stay_consistent_through_every_kind_of_forgetting(
+        ops: list[tuple[int, int, str, int | None]]) -> None:
+    """Capacity, members-per-key and the table's own LRU all forget; held_chars always equals the entries."""
+    table = AffinityTable(max_entries=12, ttl_s=600, max_members_per_key=2)
+    for t, (conv, turns, mid, capacity) in enumerate(ops):
+        contents = [f"sys{conv}" + "s" * 40] + [f"{conv}-{k}" + "t" * 20 for k in range(turns)]
+        table.record(prefix_hashes(conversation(*contents)), mid, float(t), capacity_chars=capacity)
+        credited = _credited(table)
+        assert {m: table.held_chars(m) for m in "abc" if table.held_chars(m)} == credited
+    restored = AffinityTable.from_json(table.to_json(float(len(ops))), float(len(ops)), max_entries=12, ttl_s=600,
+                                       max_members_per_key=2)
+    assert {m: restored.held_chars(m) for m in "abc"} == {m: table.held_chars(m) for m in "abc"}
+    # and in the same order: the next forgetting forgets the same prefixes
+    for t_ in (table, restored):
+        t_.record(prefix_hashes(conversation("new" + "n" * 60)), "a", float(len(ops) + 1), capacity_chars=150)
+    assert _credited(restored) == _credited(table)
 
 
 # --- §5 session pinning ---------------------------------------------------------------------------------

@@ -84,7 +84,8 @@ def test_vllm_metrics_map_running_waiting_kv_usage_prefix_cache_and_blocks() -> 
     r = n.vllm_reading(_metrics(samples.VLLM_METRICS), models)
     assert r == n.Reading(
         engine_kind="vllm", model_id="Qwen/Qwen3-8B", lanes=None, running=3, waiting=2, max_context=32768,
-        kv_usage=0.4, kv_blocks_used=round(0.4 * 2000), kv_blocks_total=2000, preemptions_total=7,
+        kv_usage=0.4, kv_blocks_used=round(0.4 * 2000), kv_blocks_total=2000, kv_capacity_tokens=2000 * 16,
+        preemptions_total=7,
         prompt_tokens_queried_total=1000, prompt_tokens_hit_total=250)
 
 
@@ -142,7 +143,8 @@ def test_llamacpp_slots_that_are_not_an_array_are_rejected() -> None:
 def test_sglang_metrics_map_running_queue_token_usage_and_throughput() -> None:
     r = n.sglang_reading(_metrics(samples.SGLANG_METRICS), n.ModelsInfo())
     assert r == n.Reading(engine_kind="sglang", model_id="meta-llama/Llama-3.1-8B-Instruct", running=5, waiting=4,
-                          kv_usage=0.15, kv_blocks_used=6000, kv_blocks_total=40000, decode_tok_per_s=312.5)
+                          kv_usage=0.15, kv_blocks_used=6000, kv_blocks_total=40000, kv_capacity_tokens=40000,
+                          decode_tok_per_s=312.5)
 
 
 def test_a_nan_kv_gauge_and_an_escaped_model_name_read_as_unknown_and_as_written() -> None:
