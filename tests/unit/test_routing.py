@@ -364,6 +364,11 @@ def test_the_affinity_table_survives_a_restart_with_entries_keeping_their_age() 
     assert len(AffinityTable.from_json(text, now_s=110.0, ttl_s=100)) == 1
     with pytest.raises(ValueError):
         AffinityTable.from_json('{"schema": 99}', now_s=0.0)
+    # a file from before own-chars were saved: each row counts its whole prefix
+    data = json.loads(text)
+    data["entries"] = [row[:4] for row in data["entries"]]
+    older = AffinityTable.from_json(json.dumps(data), now_s=90.0, ttl_s=100)
+    assert older.lookup(old, 90.0) == ("a", 1, 3) and older.held_chars("a") == 3
 
 
 def _credited(table: AffinityTable) -> dict[str, int]:
