@@ -27,10 +27,10 @@ RUN /opt/llmgw/bin/pip install . \
 # --- runtime: the venv on a slim base, run as a non-root user ----------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
 ARG TORCH_VARIANT=cpu
-# Triton (CUDA images only) compiles a small C launcher at first use: it needs a C compiler at run time.
-RUN if [ "${TORCH_VARIANT}" != "cpu" ]; then \
-      apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*; \
-    fi \
+# A compiler at run time: Triton (CUDA images) compiles a small C launcher at first use, and the engine's
+# CPU path compiles its fused decode attention once per machine (services/engine/kernels/cpu_attention.py;
+# without g++ it falls back to the slower torch path and says so).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ libc6-dev && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 llmgw \
  && useradd --system --uid 10001 --gid llmgw --home-dir /var/lib/llmgw --shell /usr/sbin/nologin llmgw \
  && mkdir -p /var/lib/llmgw /models \
@@ -40,6 +40,7 @@ ENV PATH=/opt/llmgw/bin:$PATH \
     LLMGW_DATA_DIR=/var/lib/llmgw \
     HOME=/var/lib/llmgw \
     TRITON_CACHE_DIR=/var/lib/llmgw/triton-cache \
+    TORCH_EXTENSIONS_DIR=/var/lib/llmgw/torch-extensions \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 USER llmgw:llmgw

@@ -5,11 +5,12 @@
 #   systemd          systemd-analyze verify for deploy/systemd/*.service
 #   iproute2         ip netns / veth for the multi-host test
 #   chromium         the admin pages' browser tests (Playwright drives /usr/bin/chromium; no browser download)
+#   g++              the engine's fused CPU decode attention (services/engine/kernels/cpu_attention.py)
 # Idempotent: installs only what is absent. Without root (or password-less sudo) or apt-get it prints what
 # is missing and exits 0; the tests then skip locally, and fail under LLMGW_CI=1 (set by .ci/run).
 set -euo pipefail
 
-declare -A PACKAGE=([docker-compose]=docker-compose [shellcheck]=shellcheck [systemd-analyze]=systemd [ip]=iproute2 [chromium]=chromium)
+declare -A PACKAGE=([docker-compose]=docker-compose [shellcheck]=shellcheck [systemd-analyze]=systemd [ip]=iproute2 [chromium]=chromium [g++]=g++)
 missing=()
 for tool in "${!PACKAGE[@]}"; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("${PACKAGE[$tool]}")

@@ -36,6 +36,8 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from services.engine.kernels.cpu_attention import FusedDecode
+
 KVCacheDtype = Literal["auto", "fp8"]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -238,6 +240,7 @@ class DecodeBatch:
     seq_indices: tuple[int, ...]  # which sequences of the step decode, in step order
     token_rows: torch.Tensor  # [Bd] long: their rows in the step's [T] tokens
     slots: torch.Tensor  # [Bd, L] long
+    lens: torch.Tensor  # [Bd] long: each row's context length (what the fused CPU kernel reads)
     padding: torch.Tensor | None  # [Bd, L] bool, True on padded positions
     is_whole_step: bool  # every token of the step is a decode, in order: rows are 0..T-1
     # When contexts differ a lot in length, attention runs per group of similar lengths, each padded to
@@ -356,6 +359,7 @@ def _build_decode_batch(
     rows = torch.tensor([query_start_loc[i] for i in indices], dtype=torch.long, device=device)
     return DecodeBatch(
         seq_indices=tuple(indices), token_rows=rows, slots=slots, padding=_padding(lens, device),
+        lens=torch.tensor(lens, dtype=torch.long, device=device),
         is_whole_step=is_whole_step, groups=_length_groups(lens, slots),
     )
 
@@ -425,7 +429,20 @@ class TorchPagedAttention:
 
     All one-token (decode) sequences of a step share one batched attention (see :func:`_decode_attention`);
     prompt chunks run one SDPA call each with an explicit causal mask offset by the cached prefix.
+    ``fused_decode`` (``kernels.cpu_attention``): a compiled kernel that runs the decode attention straight
+    from the paged cache instead, used for float32 queries over a float32 cache on the CPU.
     """
+
+    def __init__(self, fused_decode: FusedDecode | None = None) -> None:
+        self.fused_decode = fused_decode
+
+    def _decode(self, q: torch.Tensor, decode: DecodeBatch, kv_cache: KVCache, layer_idx: int) -> torch.Tensor:
+        fused = self.fused_decode
+        if fused is None or kv_cache.is_fp8 or q.dtype != torch.float32 or q.device.type != "cpu":
+            return _decode_attention(q, decode, kv_cache, layer_idx)
+        rows = q if decode.is_whole_step else q[decode.token_rows]
+        return fused(rows, kv_cache.key_caches[layer_idx], kv_cache.value_caches[layer_idx], decode.slots,
+                     decode.lens, q.shape[-1] ** -0.5)
 
     def forward(
         self,
@@ -439,7 +456,7 @@ class TorchPagedAttention:
         kv_cache.write(layer_idx, k, v, meta.slot_mapping)
         decode = meta.decode if meta.decode is not None else _decode_batch_of(meta)
         if decode is not None and decode.is_whole_step:
-            return _decode_attention(q, decode, kv_cache, layer_idx)
+            return self._decode(q, decode, kv_cache, layer_idx)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_list
         block_size = meta.block_size
@@ -457,7 +474,7 @@ class TorchPagedAttention:
                 keys, values = keys[:seq_len], values[:seq_len]
             out[q_start:q_end] = _causal_attention(q[q_start:q_end], keys, values)
         if decode is not None:
-            out[decode.token_rows] = _decode_attention(q, decode, kv_cache, layer_idx)
+            out[decode.token_rows] = self._decode(q, decode, kv_cache, layer_idx)
         return out
 
 

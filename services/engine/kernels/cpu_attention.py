@@ -1,0 +1,181 @@
+"""Fused decode attention for the CPU: a small C++ extension, compiled once per machine on first use.
+
+The torch reference (``attention._decode_attention``) gathers every decode sequence's context out of the
+paged cache into one padded tensor and runs SDPA over it: at 32 sequences the gather and SDPA were ~50 % of
+a tiny-model step (docs/benchmarks.md). This kernel reads each sequence's keys and values straight from
+their cache slots, once, with no padding: per sequence, the scores of every query head,
+a softmax (max-subtracted, exact within float rounding), and the weighted sum of values; sequences run
+in parallel on torch's intra-op threads.
+
+It is used for float32 models with a float32 (``auto``) KV cache on the CPU when a C++ compiler is at hand
+(g++, as ``torch.utils.cpp_extension`` needs); anything else, or ``LLMGW_ENGINE_CPU_FUSED=0``, keeps the
+torch path. The build (~20 s on the 2-core bench machine) happens when the engine loads its model, and is
+cached in torch's extension directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
+under a name that hashes the source, the torch version and this CPU's instruction-set flags, so a cache
+shared between different CPUs never runs code built for another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "LLMGW_ENGINE_CPU_FUSED"
+
+FusedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// q [B, Hq, D]; key/value cache [NB, BS, Hkv, D] (contiguous, float32); slots [B, Lmax] int64: the flat
+// cache slot of each context position; lens [B] int64. Query head h reads KV head h / (Hq / Hkv).
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                           torch::Tensor slots, torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && key_cache.scalar_type() == torch::kFloat32 &&
+              value_cache.scalar_type() == torch::kFloat32, "paged_decode: float32 tensors only");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64,
+              "paged_decode: int64 slots and lens");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_decode: contiguous caches");
+  auto qc = q.contiguous();
+  auto sc = slots.contiguous();
+  auto lc = lens.contiguous();
+  const int64_t B = qc.size(0), Hq = qc.size(1), D = qc.size(2);
+  const int64_t Hkv = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == D && Hq % Hkv == 0, "paged_decode: head shapes do not match");
+  const int64_t G = Hq / Hkv;
+  const int64_t Lmax = sc.size(1);
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  auto out = torch::empty({B, Hq, D}, qc.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = key_cache.data_ptr<float>();
+  const float* vp = value_cache.data_ptr<float>();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= Lmax, "paged_decode: a length outside 1..Lmax");
+  }
+  const float sm = static_cast<float>(scale);
+  // One work item per sequence, all its heads: each context position's K (then V) row of Hkv x D floats
+  // is read once, front to back through the cache, which the hardware prefetcher streams.
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(Hq * D);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t L = lp[b];
+      const int64_t* row = sp + b * Lmax;
+      scores.resize(Hq * L);
+      const float* qb = qp + b * Hq * D;
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t slot = row[l];
+        TORCH_CHECK(slot >= 0 && slot < num_slots, "paged_decode: a slot outside the cache");
+        const float* kr = kp + slot * Hkv * D;
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          const float* qh = qb + hq * D;
+          const float* kh = kr + (hq / G) * D;
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+          scores[hq * L + l] = s * sm;
+        }
+      }
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        float* sh = scores.data() + hq * L;
+        float m = sh[0];
+        for (int64_t l = 1; l < L; ++l) m = std::max(m, sh[l]);
+        float sum = 0.f;
+        for (int64_t l = 0; l < L; ++l) {
+          sh[l] = std::exp(sh[l] - m);
+          sum += sh[l];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t l = 0; l < L; ++l) sh[l] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t l = 0; l < L; ++l) {
+        const float* vr = vp + row[l] * Hkv * D;
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          const float p = scores[hq * L + l];
+          const float* vh = vr + (hq / G) * D;
+          float* ah = acc.data() + hq * D;
+          for (int64_t d = 0; d < D; ++d) ah[d] += p * vh[d];
+        }
+      }
+      std::copy(acc.begin(), acc.end(), op + b * Hq * D);
+    }
+  });
+  return out;
+}
+"""
+
+# -ffast-math lets the compiler vectorise the dot products, sums and exp (glibc's vector exp); inputs are
+# finite and every exponent is <= 0 (max-subtracted), so none of its assumptions is violated.
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+_lock = threading.Lock()
+_loaded = False
+_fused: FusedDecode | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _extension_name() -> str:
+    digest = hashlib.sha256("\0".join([_SOURCE, " ".join(_CFLAGS), torch.__version__, _cpu_flags()]).encode())
+    return f"ninfer_cpu_decode_{digest.hexdigest()[:12]}"
+
+
+def _is_built(name: str) -> bool:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: only for the log line
+
+        return any(Path(_get_build_directory(name, verbose=False)).glob("*.so"))
+    except Exception:
+        return True
+
+
+def fused_decode() -> FusedDecode | None:
+    """The compiled kernel, built on the first call (None when disabled or it cannot be built; the reason
+    is logged once, with what to do)."""
+    global _loaded, _fused
+    with _lock:
+        if _loaded:
+            return _fused
+        _loaded = True
+        if os.environ.get(ENV_VAR, "1").strip() == "0":
+            log.info("fused CPU decode attention off (%s=0): using the torch path", ENV_VAR)
+            return None
+        name = _extension_name()
+        if not _is_built(name):
+            log.info("compiling the fused CPU decode attention (once per machine, ~20 s on 2 cores)")
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            module = load_inline(name, cpp_sources=[_SOURCE], functions=["paged_decode"],
+                                 extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as exc:
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            log.warning("fused CPU decode attention unavailable (%s); using the slower torch path. Install a "
+                        "C++ compiler (apt-get install g++) to enable it, or set %s=0 to silence this",
+                        reason, ENV_VAR)
+            return None
+        _fused = module.paged_decode
+        return _fused
