@@ -117,11 +117,44 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key_cache, torch::Tens
   });
   return out;
 }
+
+// weight * (x / rms(x)) over the last dim of a float32 x (any leading shape), transformers' order: the
+// mean of squares, plus eps, its reciprocal square root (in double, then rounded: no approximate rsqrt).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32,
+              "rms_norm: float32 tensors only");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  const int64_t H = xc.size(-1);
+  TORCH_CHECK(wc.numel() == H, "rms_norm: weight size does not match the last dim");
+  const int64_t N = H ? xc.numel() / H : 0;
+  auto out = torch::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float fe = static_cast<float>(eps);
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(H, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * H;
+      float* orow = op + r * H;
+      float ss = 0.f;
+      for (int64_t d = 0; d < H; ++d) ss += xr[d] * xr[d];
+      const float var = ss / static_cast<float>(H) + fe;
+      const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(var)));
+      for (int64_t d = 0; d < H; ++d) orow[d] = wp[d] * (xr[d] * inv);
+    }
+  });
+  return out;
+}
 """
 
 # -ffast-math lets the compiler vectorise the dot products, sums and exp (glibc's vector exp); inputs are
 # finite and every exponent is <= 0 (max-subtracted), so none of its assumptions is violated.
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+# The compiled RMSNorm (``model.rms_norm`` uses it for float32 on the CPU once a model has loaded the
+# extension): one pass instead of torch's ~6 dispatches, ~14 us each on a decode step's small rows.
+rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
 _lock = threading.Lock()
 _loaded = False
@@ -169,7 +202,7 @@ def fused_decode() -> FusedDecode | None:
         try:
             from torch.utils.cpp_extension import load_inline
 
-            module = load_inline(name, cpp_sources=[_SOURCE], functions=["paged_decode"],
+            module = load_inline(name, cpp_sources=[_SOURCE], functions=["paged_decode", "rms_norm"],
                                  extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
@@ -177,5 +210,6 @@ def fused_decode() -> FusedDecode | None:
                         "C++ compiler (apt-get install g++) to enable it, or set %s=0 to silence this",
                         reason, ENV_VAR)
             return None
-        _fused = module.paged_decode
+        global rms_norm
+        _fused, rms_norm = module.paged_decode, module.rms_norm
         return _fused

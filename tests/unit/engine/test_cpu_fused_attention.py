@@ -118,3 +118,17 @@ def test_a_failed_build_falls_back_and_says_what_to_do(monkeypatch: pytest.Monke
     with caplog.at_level("WARNING", logger=cpu_attention.__name__):
         assert cpu_attention.fused_decode() is None
     assert "using the slower torch path" in caplog.text and "g++" in caplog.text
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 256), (32, 256), (5, 8, 32), (3, 1024), (0, 64)])
+def test_the_compiled_rms_norm_equals_torch_within_float_rounding(shape: tuple[int, ...]) -> None:
+    assert fused is not None and cpu_attention.rms_norm is not None
+    torch.manual_seed(3)
+    x, w = torch.randn(*shape) * 3, torch.randn(shape[-1])
+    want = torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-6)
+    torch.testing.assert_close(cpu_attention.rms_norm(x, w, 1e-6), want, rtol=2e-6, atol=2e-6)
+    # a non-contiguous view (a per-head norm over q inside the fused qkv output) reads the same values
+    view, head_w = torch.randn(4, 3 * 32)[:, :64].view(4, 2, 32), torch.randn(32)
+    torch.testing.assert_close(cpu_attention.rms_norm(view, head_w, 1e-6),
+                               torch.nn.functional.rms_norm(view, (32,), head_w, 1e-6), rtol=2e-6, atol=2e-6)
