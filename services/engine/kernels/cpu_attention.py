@@ -1,18 +1,21 @@
-"""Fused decode attention for the CPU: a small C++ extension, compiled once per machine on first use.
+"""Compiled CPU kernels for the engine: decode attention over the paged cache, and RMSNorm.
 
-The torch reference (``attention._decode_attention``) gathers every decode sequence's context out of the
-paged cache into one padded tensor and runs SDPA over it: at 32 sequences the gather and SDPA were ~50 % of
-a tiny-model step (docs/benchmarks.md). This kernel reads each sequence's keys and values straight from
-their cache slots, once, with no padding: per sequence, the scores of every query head,
-a softmax (max-subtracted, exact within float rounding), and the weighted sum of values; sequences run
-in parallel on torch's intra-op threads.
+A small C++ extension, compiled once per machine on first use. The torch reference decode attention
+(``attention._decode_attention``) gathers every decode sequence's context out of the paged cache into one
+padded tensor and runs SDPA over it: at 32 sequences the gather and SDPA were ~50 % of a tiny-model step
+(docs/benchmarks.md). ``paged_decode`` reads each sequence's keys and values straight from their cache
+slots, once, with no padding: per sequence, the scores of every query head, a softmax (max-subtracted,
+exact within float rounding) and the weighted sum of values; sequences run in parallel on torch's
+intra-op threads. ``rms_norm`` is transformers' RMSNorm in one pass (torch's CPU ``F.rms_norm`` is ~6
+dispatches, ~8-14 us on a decode step's small rows; this is ~1 us).
 
-It is used for float32 models with a float32 (``auto``) KV cache on the CPU when a C++ compiler is at hand
-(g++, as ``torch.utils.cpp_extension`` needs); anything else, or ``LLMGW_ENGINE_CPU_FUSED=0``, keeps the
-torch path. The build (~20 s on the 2-core bench machine) happens when the engine loads its model, and is
-cached in torch's extension directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
-under a name that hashes the source, the torch version and this CPU's instruction-set flags, so a cache
-shared between different CPUs never runs code built for another.
+They are used for float32 models (with a float32, ``auto``, KV cache for the attention) on the CPU when a
+C++ compiler is at hand (g++, and ninja, a dependency, as ``torch.utils.cpp_extension`` needs); anything
+else, or ``LLMGW_ENGINE_CPU_FUSED=0``, keeps the torch path. The build (~20 s on the 2-core bench
+machine) happens when the engine loads its model, and is cached in torch's extension directory
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that hashes the source, the
+torch version and this CPU's instruction-set flags, so a cache shared between different CPUs never runs
+code built for another.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -185,6 +189,18 @@ def _is_built(name: str) -> bool:
         return True
 
 
+def _put_ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) puts it in the venv's
+    bin, which is not on PATH when the venv's python is run without activating it."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def fused_decode() -> FusedDecode | None:
     """The compiled kernel, built on the first call (None when disabled or it cannot be built; the reason
     is logged once, with what to do)."""
@@ -199,6 +215,7 @@ def fused_decode() -> FusedDecode | None:
         name = _extension_name()
         if not _is_built(name):
             log.info("compiling the fused CPU decode attention (once per machine, ~20 s on 2 cores)")
+        _put_ninja_on_path()
         try:
             from torch.utils.cpp_extension import load_inline
 

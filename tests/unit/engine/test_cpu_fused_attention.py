@@ -132,3 +132,12 @@ def test_the_compiled_rms_norm_equals_torch_within_float_rounding(shape: tuple[i
     view, head_w = torch.randn(4, 3 * 32)[:, :64].view(4, 2, 32), torch.randn(32)
     torch.testing.assert_close(cpu_attention.rms_norm(view, head_w, 1e-6),
                                torch.nn.functional.rms_norm(view, (32,), head_w, 1e-6), rtol=2e-6, atol=2e-6)
+
+
+def test_the_ninja_wheel_is_put_on_path_when_no_ninja_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    ninja = pytest.importorskip("ninja")
+    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    cpu_attention._put_ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
+    assert os.path.exists(os.path.join(ninja.BIN_DIR, "ninja"))
