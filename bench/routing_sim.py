@@ -14,6 +14,9 @@ batch, an LRU prefix cache in blocks) publish a heartbeat every 0.5 s. Policies:
   affinity (bounded per engine by the cache size its heartbeat states) and pins (imported, not
   re-implemented).
 
+Hit rates are shown against two bounds: ``ideal`` (one infinite cache shared by the pool) and ``pooled``
+(one LRU cache as big as all engines' caches together: what perfect routing could reach).
+
 Workloads: ``shared`` (tenants sharing long system prompts, single turn), ``chat`` (multi-turn
 sessions), ``unique`` (no sharing), ``bursts`` (``shared`` arriving in on/off bursts). Load is a fraction
 of the pool's *nominal* capacity: its service rate under perfect caching (docs/routing.md §7).
@@ -530,6 +533,7 @@ class Result:
     throughput_rps: float
     prefix_hit_pct: float
     ideal_hit_pct: float
+    pooled_hit_pct: float
     rejected: int
     requests: int
 
@@ -617,12 +621,23 @@ def simulate(workload_name: str, load: float, policy_name: str, duration_s: floa
     last = max((r.finish_s for r in served if r.finish_s is not None), default=duration_s)
     return Result(workload_name, load, policy_name, _pct(ttfts, 0.5), _pct(ttfts, 0.9),
                   len(served) / max(last - warmup_s, 1e-9), 100 * cached / max(prompt, 1),
-                  ideal_hit_pct(done, warmup_s), sum(r.rejected for r in measured), len(measured))
+                  ideal_hit_pct(done, warmup_s), ideal_hit_pct(done, warmup_s, NUM_ENGINES * CACHE_BLOCKS),
+                  sum(r.rejected for r in measured), len(measured))
 
 
-def ideal_hit_pct(done: list[Req], warmup_s: float) -> float:
-    """Hits with one infinite shared cache: every full block seen earlier (by arrival) is a hit."""
-    seen: set[int] = set()
+def ideal_hit_pct(done: list[Req], warmup_s: float, cache_blocks: int | None = None) -> float:
+    """Hits of one cache shared by the whole pool, requests in arrival order: every full block seen earlier
+    is a hit (``cache_blocks`` None: an infinite cache; else an LRU of that many blocks, e.g. all engines'
+    caches pooled, which no router over separate engines can beat)."""
+    seen: OrderedDict[int, None] = OrderedDict()
+
+    def touch(keys: list[int]) -> None:
+        for k in keys:
+            seen[k] = None
+            seen.move_to_end(k)
+        while cache_blocks is not None and len(seen) > cache_blocks:
+            seen.popitem(last=False)
+
     prompt = hit = 0
     for r in sorted(done, key=lambda x: x.arrival_s):
         n = 0
@@ -633,9 +648,9 @@ def ideal_hit_pct(done: list[Req], warmup_s: float) -> float:
         if r.arrival_s >= warmup_s and not r.rejected:
             prompt += r.prompt_tokens
             hit += min(n * BLOCK_TOKENS, r.prompt_tokens - 1)
-        seen.update(r.block_keys)
+        touch(r.block_keys)
         if r.chat is not None and not r.rejected:
-            seen.update(block_keys([*r.segments, (r.out_seg, r.output_tokens)]))
+            touch(block_keys([*r.segments, (r.out_seg, r.output_tokens)]))
     return 100 * hit / max(prompt, 1)
 
 
@@ -646,10 +661,10 @@ LOADS = (0.5, 0.8, 0.95)
 
 def table(results: list[Result], markdown: bool) -> str:
     head = ["workload", "load", "policy", "TTFT p50 ms", "TTFT p90 ms", "req/s", "prefix hit %", "ideal %",
-            "rejected", "requests"]
+            "pooled %", "rejected", "requests"]
     rows = [[r.workload, f"{r.load:.2f}", r.policy, f"{r.ttft_p50_ms:.0f}", f"{r.ttft_p90_ms:.0f}",
-             f"{r.throughput_rps:.2f}", f"{r.prefix_hit_pct:.1f}", f"{r.ideal_hit_pct:.1f}", str(r.rejected),
-             str(r.requests)] for r in results]
+             f"{r.throughput_rps:.2f}", f"{r.prefix_hit_pct:.1f}", f"{r.ideal_hit_pct:.1f}", f"{r.pooled_hit_pct:.1f}",
+             str(r.rejected), str(r.requests)] for r in results]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
