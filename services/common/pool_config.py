@@ -7,7 +7,7 @@
             {"model_id": "qwen3.8-27b", "backend": "http://gpu1:8006", "capacity_weight": 8},
             {"model_id": "qwen3.8-27b", "backend": "bus:gpu2-engine", "capacity_weight": 8, "max_context": 32768}
           ],
-          "cache_affinity": true, "overflow_threshold": 0.85, "sticky_bias": 0.2, "capacity_bias": 0.1,
+          "cache_affinity": true, "overflow_threshold": 0.95, "sticky_bias": 0.2, "capacity_bias": 0.1,
           "aliases": ["qwen"]
         }
       },
@@ -63,7 +63,7 @@ class PoolConfig:
     name: str
     members: tuple[MemberConfig, ...]
     cache_affinity: bool = True
-    overflow_threshold: float = 0.85
+    overflow_threshold: float = 0.95
     sticky_bias: float = 0.2
     capacity_bias: float = 0.1
     max_pool_share: float = 1.0
@@ -208,7 +208,7 @@ def _pool(name: str, raw: Any, path: str) -> PoolConfig:
         raise ConfigError(f"{path}.cache_affinity", "must be true or false")
     return PoolConfig(
         name=name, members=members, cache_affinity=affinity,
-        overflow_threshold=_num(p, "overflow_threshold", path, 0.85, 0.0, 1.0),
+        overflow_threshold=_num(p, "overflow_threshold", path, 0.95, 0.0, 1.0),
         sticky_bias=_num(p, "sticky_bias", path, 0.2, 0.0, 1.0),
         capacity_bias=_num(p, "capacity_bias", path, 0.1, 0.0, 1.0),
         max_pool_share=_num(p, "max_pool_share", path, 1.0, 0.0, 1.0, lo_open=True),

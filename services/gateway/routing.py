@@ -58,7 +58,7 @@ class PoolPolicy:
     §3 (tuned with bench/routing_sim.py, §7).
     """
 
-    overflow_threshold: float = 0.85
+    overflow_threshold: float = 0.95
     cache_affinity: bool = True
     sticky_bias: float = 0.2
     capacity_bias: float = 0.1

@@ -29,7 +29,7 @@ def test_the_interop_pool_shape_parses_with_defaults_and_aliases() -> None:
     http, bus = pool.members
     assert (http.member_id, http.is_http, http.capacity_weight) == ("http-gpu1-8006", True, 8.0)
     assert (bus.member_id, bus.bus_worker, bus.max_context) == ("gpu2-engine", "gpu2-engine", 32768)
-    assert pool.overflow_threshold == 0.85 and cfg.metrics.stale_threshold == 2.5
+    assert pool.overflow_threshold == 0.95 and cfg.metrics.stale_threshold == 2.5  # the default (docs/routing.md §3)
     assert cfg.price_book["qwen3.8-27b"].output_usd_per_m == 0.8
     assert [m.member_id for m in cfg.http_members()] == ["http-gpu1-8006"]
 

@@ -30,7 +30,7 @@ from services.gateway.routing import (
 W = RoutingWeights()
 NOW = 100.5
 # only the load and the term under test: no capacity, backlog or prefill terms
-PLAIN = PoolPolicy(capacity_bias=0.0, backlog_weight=0.0, prefill_weight=0.0)
+PLAIN = PoolPolicy(overflow_threshold=0.85, capacity_bias=0.0, backlog_weight=0.0, prefill_weight=0.0)
 
 
 def hb(wid: str = "a", *, kind: str = "ninfer", lanes: int | None = 8, running: int | None = 0,
@@ -514,7 +514,7 @@ def test_the_pick_explains_every_candidate_and_ranks_the_failover_order() -> Non
     table.record(keys, "b", NOW)
     members = [member(hb("a", running=1)), member(hb("b", running=2), routed=3, admitted=2, in_flight=1),
                member(hb("c", running=8, waiting=4)), member(hb("d", state="draining"))]
-    p = choose(members, RouteRequest(prefix_keys=keys), PoolPolicy(capacity_bias=0.0, prefill_weight=0.0),
+    p = choose(members, RouteRequest(prefix_keys=keys), PoolPolicy(overflow_threshold=0.85, capacity_bias=0.0, prefill_weight=0.0),
                affinity=table)
     b = sheet(p, "b")
     assert (b.booked, b.affinity_depth, b.affinity_chars) == (1, 2, 4000 + 1)
