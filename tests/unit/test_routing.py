@@ -514,8 +514,8 @@ def test_the_pick_explains_every_candidate_and_ranks_the_failover_order() -> Non
     table.record(keys, "b", NOW)
     members = [member(hb("a", running=1)), member(hb("b", running=2), routed=3, admitted=2, in_flight=1),
                member(hb("c", running=8, waiting=4)), member(hb("d", state="draining"))]
-    p = choose(members, RouteRequest(prefix_keys=keys), PoolPolicy(overflow_threshold=0.85, capacity_bias=0.0, prefill_weight=0.0),
-               affinity=table)
+    policy = PoolPolicy(overflow_threshold=0.85, capacity_bias=0.0, prefill_weight=0.0)
+    p = choose(members, RouteRequest(prefix_keys=keys), policy, affinity=table)
     b = sheet(p, "b")
     assert (b.booked, b.affinity_depth, b.affinity_chars) == (1, 2, 4000 + 1)
     assert b.load == pytest.approx(0.75 * (2 + 1) / 8)
