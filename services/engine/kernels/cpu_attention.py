@@ -214,7 +214,7 @@ def fused_decode() -> FusedDecode | None:
             return None
         name = _extension_name()
         if not _is_built(name):
-            log.info("compiling the engine's CPU kernels (decode attention, RMSNorm): once per machine, ~20 s on 2 cores")
+            log.info("compiling the engine's CPU kernels (decode attention, RMSNorm), once per machine: ~20 s")
         _put_ninja_on_path()
         try:
             from torch.utils.cpp_extension import load_inline
