@@ -167,6 +167,9 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+_NO_WEIGHT = torch.empty(0)  # qk_norm_rope's "no per-head norm"
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
@@ -203,10 +206,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self._qkv(x)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = _apply_rope(q, cos, signed_sin), _apply_rope(k, cos, signed_sin)
+        norm_rope = cpu_kernels.qk_norm_rope
+        if norm_rope is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            # the compiled kernel: the per-head norms and RoPE of q and k in one call instead of ~10
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = norm_rope(q, k, cos, signed_sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            else:
+                q, k = norm_rope(q, k, cos, signed_sin, _NO_WEIGHT, _NO_WEIGHT, 0.0)
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q = rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+                k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            q, k = _apply_rope(q, cos, signed_sin), _apply_rope(k, cos, signed_sin)
         o = backend.forward(self.layer_idx, q, k, v, meta, kv_cache)
         return linear(o.reshape(num_tokens, -1), self.o_weight, self.o_bias)
 

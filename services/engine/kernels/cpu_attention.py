@@ -7,7 +7,8 @@ padded tensor and runs SDPA over it: at 32 sequences the gather and SDPA were ~5
 slots, once, with no padding: per sequence, the scores of every query head, a softmax (max-subtracted,
 exact within float rounding) and the weighted sum of values; sequences run in parallel on torch's
 intra-op threads. ``rms_norm`` is transformers' RMSNorm in one pass (torch's CPU ``F.rms_norm`` is ~6
-dispatches, ~8-14 us on a decode step's small rows; this is ~1 us).
+dispatches, ~8-14 us on a decode step's small rows; this is ~1 us). ``qk_norm_rope`` is an attention
+layer's per-head q/k norms and RoPE in one call instead of ~10 dispatches.
 
 They are used for float32 models (with a float32, ``auto``, KV cache for the attention) on the CPU when a
 C++ compiler is at hand (g++, and ninja, a dependency, as ``torch.utils.cpp_extension`` needs); anything
@@ -150,15 +151,83 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   });
   return out;
 }
+
+// q [T, Hq, D] and k [T, Hk, D] (any strides in T and H, D contiguous): optional per-head RMSNorm (qw/kw
+// [D], or empty tensors for none), then neox RoPE, x * cos + roll(x, D/2) * signed_sin, with cos and
+// signed_sin [T, 1, D] (model.rope_tables). Products and sums rounded one by one (-ffp-contract=off), as
+// torch's separate mul and add round them. Returns new contiguous q and k.
+static void norm_rope_rows(const float* xp, int64_t st, int64_t sh, int64_t T, int64_t H, int64_t D,
+                           const float* w, float eps, const float* cp, const float* sp, float* op) {
+  at::parallel_for(0, T * H, std::max<int64_t>(1, 4096 / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = r / H, h = r % H;
+      const float* xr = xp + t * st + h * sh;
+      if (w != nullptr) {
+        float ss = 0.f;
+        for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
+        const float var = ss / static_cast<float>(D) + eps;
+        const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(var)));
+        for (int64_t d = 0; d < D; ++d) row[d] = w[d] * (xr[d] * inv);
+      } else {
+        for (int64_t d = 0; d < D; ++d) row[d] = xr[d];
+      }
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      float* o = op + r * D;
+      const int64_t half = D / 2;
+      for (int64_t d = 0; d < D; ++d) {
+        const float rolled = row[d < half ? d + half : d - half];
+        const float a = row[d] * c[d];
+        const float b = rolled * s[d];
+        o[d] = a + b;
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+                                        torch::Tensor signed_sin, torch::Tensor qw, torch::Tensor kw, double eps) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+              cos.scalar_type() == torch::kFloat32 && signed_sin.scalar_type() == torch::kFloat32,
+              "qk_norm_rope: float32 tensors only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "qk_norm_rope: [T, H, D]");
+  const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && D % 2 == 0, "qk_norm_rope: q and k shapes do not match");
+  auto cc = cos.contiguous();
+  auto sc = signed_sin.contiguous();
+  TORCH_CHECK(cc.numel() == T * D && sc.numel() == T * D, "qk_norm_rope: cos/sin must be [T, 1, D]");
+  const bool norm = qw.numel() > 0;
+  auto qwc = qw.contiguous();
+  auto kwc = kw.contiguous();
+  if (norm) {
+    TORCH_CHECK(qwc.numel() == D && kwc.numel() == D && qwc.scalar_type() == torch::kFloat32 &&
+                kwc.scalar_type() == torch::kFloat32, "qk_norm_rope: norm weights must be [D] float32");
+  }
+  auto qo = torch::empty({T, q.size(1), D}, q.options());
+  auto ko = torch::empty({T, k.size(1), D}, k.options());
+  const float fe = static_cast<float>(eps);
+  norm_rope_rows(q.data_ptr<float>(), q.stride(0), q.stride(1), T, q.size(1), D,
+                 norm ? qwc.data_ptr<float>() : nullptr, fe, cc.data_ptr<float>(), sc.data_ptr<float>(),
+                 qo.data_ptr<float>());
+  norm_rope_rows(k.data_ptr<float>(), k.stride(0), k.stride(1), T, k.size(1), D,
+                 norm ? kwc.data_ptr<float>() : nullptr, fe, cc.data_ptr<float>(), sc.data_ptr<float>(),
+                 ko.data_ptr<float>());
+  return {qo, ko};
+}
 """
 
 # -ffast-math lets the compiler vectorise the dot products, sums and exp (glibc's vector exp); inputs are
 # finite and every exponent is <= 0 (max-subtracted), so none of its assumptions is violated.
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# -ffp-contract=off keeps products and sums rounded one by one (no fused multiply-add), as torch's separate
+# elementwise ops round them: RoPE is then bit-identical to the torch ops.
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-ffp-contract=off", "-fopenmp"]
 
 # The compiled RMSNorm (``model.rms_norm`` uses it for float32 on the CPU once a model has loaded the
 # extension): one pass instead of torch's ~6 dispatches, ~14 us each on a decode step's small rows.
 rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+# The compiled per-head RMSNorm (optional) + RoPE of q and k in one call (``model.Attention.forward``).
+qk_norm_rope: Callable[..., list[torch.Tensor]] | None = None
 
 _lock = threading.Lock()
 _loaded = False
@@ -219,7 +288,7 @@ def fused_decode() -> FusedDecode | None:
         try:
             from torch.utils.cpp_extension import load_inline
 
-            module = load_inline(name, cpp_sources=[_SOURCE], functions=["paged_decode", "rms_norm"],
+            module = load_inline(name, cpp_sources=[_SOURCE], functions=["paged_decode", "rms_norm", "qk_norm_rope"],
                                  extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
@@ -227,6 +296,6 @@ def fused_decode() -> FusedDecode | None:
                         "C++ compiler (apt-get install g++) to enable it, or set %s=0 to silence this",
                         reason, ENV_VAR)
             return None
-        global rms_norm
-        _fused, rms_norm = module.paged_decode, module.rms_norm
+        global rms_norm, qk_norm_rope
+        _fused, rms_norm, qk_norm_rope = module.paged_decode, module.rms_norm, module.qk_norm_rope
         return _fused

@@ -141,3 +141,28 @@ def test_the_ninja_wheel_is_put_on_path_when_no_ninja_is_there(monkeypatch: pyte
     cpu_attention._put_ninja_on_path()
     assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
     assert os.path.exists(os.path.join(ninja.BIN_DIR, "ninja"))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), [(8, 4, 32), (16, 8, 64), (4, 1, 8)])
+def test_the_compiled_qk_norm_and_rope_equal_the_torch_ops(q_heads: int, kv_heads: int, dim: int) -> None:
+    from services.engine import model
+
+    assert fused is not None and cpu_attention.qk_norm_rope is not None
+    torch.manual_seed(4)
+    tokens = 6
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim)  # q and k as views into one projection
+    q = qkv[:, : q_heads * dim].view(tokens, q_heads, dim)
+    k = qkv[:, q_heads * dim : (q_heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    cos, signed_sin = model.rope_tables(torch.tensor([0, 1, 9, 77, 4095, 3]), inv_freq, torch.float32)
+    qw, kw = torch.randn(dim), torch.randn(dim)
+    got_q, got_k = cpu_attention.qk_norm_rope(q, k, cos, signed_sin, qw, kw, 1e-6)
+    f = torch.nn.functional.rms_norm
+    torch.testing.assert_close(got_q, model._apply_rope(f(q, (dim,), qw, 1e-6), cos, signed_sin), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(got_k, model._apply_rope(f(k, (dim,), kw, 1e-6), cos, signed_sin), rtol=2e-6, atol=2e-6)
+    # without the per-head norm (Llama, Qwen2) RoPE alone is bit-identical to the torch ops
+    none = torch.empty(0)
+    got_q, got_k = cpu_attention.qk_norm_rope(q, k, cos, signed_sin, none, none, 0.0)
+    assert torch.equal(got_q, model._apply_rope(q, cos, signed_sin))
+    assert torch.equal(got_k, model._apply_rope(k, cos, signed_sin))
