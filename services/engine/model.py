@@ -71,20 +71,12 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | None:
     return entry[1] if entry is not None and entry[0]() is weight else None
 
 
-# One-row products (a decode step of one sequence) with weights up to this many elements: MKL's GEMV beats
-# oneDNN's, packed or not (1 x 512 x 256: 7.7 vs 14.4 us; 1 x 256 x 768: 10.9 vs 14.8; at 1 x 1536 x 256 they
-# are even, and above it oneDNN wins: 1 x 8192 x 256: 123 vs 65 us; docs/benchmarks.md).
-_ONE_ROW_MKL_MAX_WEIGHT = 1 << 18
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a 2-D ``x``, through oneDNN where that is faster (float32 on CPU, big enough)."""
-    weight_numel = weight.shape[0] * weight.shape[1]
-    if x.shape[0] == 1 and weight_numel <= _ONE_ROW_MKL_MAX_WEIGHT:
-        return F.linear(x, weight, bias)
     if _PACKED and (packed := _packed(weight)) is not None and x.dtype == torch.float32:
         packed_out: torch.Tensor = _ONEDNN_LINEAR(x, packed, bias, "none", [], "")  # type: ignore[misc]
         return packed_out
+    weight_numel = weight.shape[0] * weight.shape[1]
     if (
         _ONEDNN_LINEAR is not None
         and x.dtype == torch.float32
