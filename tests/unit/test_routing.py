@@ -577,3 +577,23 @@ def test_any_member_set_yields_a_live_member_or_none_and_ranks_exactly_the_eligi
         chosen = next(m for m in members if m.member_id == p.member_id)
         assert not chosen.is_down
         assert chosen.heartbeat is None or chosen.heartbeat.state == "ready"
+
+
+def test_the_gateway_bounds_affinity_by_the_capacity_in_the_members_last_heartbeat() -> None:
+    from services.gateway import routing_adapter
+    from services.gateway.fleet import Fleet
+
+    router, fleet = routing_adapter.Router(None, NOW), Fleet("gw")
+    fleet.observe(SlotHeartbeat(worker_id="w1", session_id="s", seq=1, ts_s=NOW, model_id="m",
+                                kv_capacity_tokens=25), NOW)  # 100 characters
+    for content in ("x" * 80, "y" * 80):
+        request = RouteRequest(prefix_keys=prefix_hashes(conversation(content)))
+        p = choose([member(fleet.record("w1").heartbeat, "w1")], request, affinity=router.affinity)
+        router.record_success(routing_adapter.Decision(p, request, PoolPolicy()), "w1", fleet, NOW)
+    assert router.affinity.held_chars("w1") == 80  # the first prompt was forgotten for w1
+    # a member whose heartbeat states no capacity (or that sends none) is credited with everything it served
+    for content in ("x" * 80, "y" * 80):
+        request = RouteRequest(prefix_keys=prefix_hashes(conversation(content)))
+        p = choose([member(None, "w2")], request, affinity=router.affinity)
+        router.record_success(routing_adapter.Decision(p, request, PoolPolicy()), "w2", fleet, NOW)
+    assert router.affinity.held_chars("w2") == 160
