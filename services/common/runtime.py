@@ -58,8 +58,8 @@ class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
             return
         if record.levelno >= logging.WARNING:
             self.flush()
-        elif not self._dirty.is_set():  # set() takes a lock and notifies: once per flush, not once per line
-            self._dirty.set()
+        else:
+            self._mark_dirty()
 
     def write_info_line(self, name: str, message: str) -> None:
         """What ``emit`` writes for an INFO record of logger ``name``, when the formatter is setup_logging's
@@ -67,7 +67,10 @@ class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         line = self.formatter.info_line(name, message, time.time())  # type: ignore[union-attr]
         with self.lock:  # type: ignore[union-attr]
             self.stream.write(line)
-        if not self._dirty.is_set():
+        self._mark_dirty()
+
+    def _mark_dirty(self) -> None:
+        if not self._dirty.is_set():  # set() takes a lock and notifies: once per flush, not once per line
             self._dirty.set()
 
     def _flusher(self) -> None:

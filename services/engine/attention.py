@@ -240,7 +240,7 @@ class DecodeBatch:
     seq_indices: tuple[int, ...]  # which sequences of the step decode, in step order
     token_rows: torch.Tensor  # [Bd] long: their rows in the step's [T] tokens
     slots: torch.Tensor  # [Bd, L] long
-    lens: torch.Tensor  # [Bd] long: each row's context length (what the fused CPU kernel reads)
+    lens: torch.Tensor  # [Bd] long, on the host: each row's context length (what the fused CPU kernel reads)
     padding: torch.Tensor | None  # [Bd, L] bool, True on padded positions
     is_whole_step: bool  # every token of the step is a decode, in order: rows are 0..T-1
     # When contexts differ a lot in length, attention runs per group of similar lengths, each padded to
@@ -359,7 +359,7 @@ def _build_decode_batch(
     rows = torch.tensor([query_start_loc[i] for i in indices], dtype=torch.long, device=device)
     return DecodeBatch(
         seq_indices=tuple(indices), token_rows=rows, slots=slots, padding=_padding(lens, device),
-        lens=torch.tensor(lens, dtype=torch.long, device=device),
+        lens=torch.tensor(lens, dtype=torch.long),  # on the host: only the CPU kernel reads it
         is_whole_step=is_whole_step, groups=_length_groups(lens, slots),
     )
 

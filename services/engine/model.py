@@ -308,9 +308,7 @@ class CausalLM(nn.Module):
 
             attention = TritonPagedAttention()
         if attention is None and torch.device(device).type == "cpu" and dtype == torch.float32:
-            from services.engine.kernels.cpu_attention import fused_decode
-
-            attention = TorchPagedAttention(fused_decode())
+            attention = TorchPagedAttention(cpu_kernels.fused_decode())
         self.attention: AttentionBackend = attention or TorchPagedAttention()
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(

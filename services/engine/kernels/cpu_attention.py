@@ -223,15 +223,15 @@ std::vector<torch::Tensor> qk_norm_rope(torch::Tensor q, torch::Tensor k, torch:
 # elementwise ops round them: RoPE is then bit-identical to the torch ops.
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-ffp-contract=off", "-fopenmp"]
 
-# The compiled RMSNorm (``model.rms_norm`` uses it for float32 on the CPU once a model has loaded the
-# extension): one pass instead of torch's ~6 dispatches, ~14 us each on a decode step's small rows.
+# The compiled kernels once loaded (None before, or when they cannot be built). ``paged_decode`` is handed
+# to the model's TorchPagedAttention; ``rms_norm`` (model.rms_norm: float32 on the CPU, one pass instead of
+# torch's ~6 dispatches) and ``qk_norm_rope`` (model.Attention.forward) are read here at each call.
+paged_decode: FusedDecode | None = None
 rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
-# The compiled per-head RMSNorm (optional) + RoPE of q and k in one call (``model.Attention.forward``).
 qk_norm_rope: Callable[..., list[torch.Tensor]] | None = None
 
 _lock = threading.Lock()
 _loaded = False
-_fused: FusedDecode | None = None
 
 
 def _cpu_flags() -> str:
@@ -273,10 +273,10 @@ def _put_ninja_on_path() -> None:
 def fused_decode() -> FusedDecode | None:
     """The compiled kernel, built on the first call (None when disabled or it cannot be built; the reason
     is logged once, with what to do)."""
-    global _loaded, _fused
+    global _loaded, paged_decode, rms_norm, qk_norm_rope
     with _lock:
         if _loaded:
-            return _fused
+            return paged_decode
         _loaded = True
         if os.environ.get(ENV_VAR, "1").strip() == "0":
             log.info("fused CPU decode attention off (%s=0): using the torch path", ENV_VAR)
@@ -296,6 +296,5 @@ def fused_decode() -> FusedDecode | None:
                         "C++ compiler (apt-get install g++) to enable it, or set %s=0 to silence this",
                         reason, ENV_VAR)
             return None
-        global rms_norm, qk_norm_rope
-        _fused, rms_norm, qk_norm_rope = module.paged_decode, module.rms_norm, module.qk_norm_rope
-        return _fused
+        paged_decode, rms_norm, qk_norm_rope = module.paged_decode, module.rms_norm, module.qk_norm_rope
+        return paged_decode

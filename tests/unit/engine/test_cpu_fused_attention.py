@@ -105,7 +105,7 @@ def test_other_dtypes_and_fp8_caches_keep_the_torch_path(monkeypatch: pytest.Mon
 def test_the_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_attention.ENV_VAR, "0")
     monkeypatch.setattr(cpu_attention, "_loaded", False)
-    monkeypatch.setattr(cpu_attention, "_fused", None)
+    monkeypatch.setattr(cpu_attention, "paged_decode", None)
     assert cpu_attention.fused_decode() is None
 
 
@@ -114,7 +114,7 @@ def test_a_failed_build_falls_back_and_says_what_to_do(monkeypatch: pytest.Monke
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_attention, "_SOURCE", "this is not C++")
     monkeypatch.setattr(cpu_attention, "_loaded", False)
-    monkeypatch.setattr(cpu_attention, "_fused", None)
+    monkeypatch.setattr(cpu_attention, "paged_decode", None)
     with caplog.at_level("WARNING", logger=cpu_attention.__name__):
         assert cpu_attention.fused_decode() is None
     assert "using the slower torch path" in caplog.text and "g++" in caplog.text
