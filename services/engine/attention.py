@@ -36,7 +36,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from services.engine.kernels.cpu_attention import FusedDecode
+from services.engine.kernels.cpu_kernels import FusedDecode
 
 KVCacheDtype = Literal["auto", "fp8"]
 
@@ -429,7 +429,7 @@ class TorchPagedAttention:
 
     All one-token (decode) sequences of a step share one batched attention (see :func:`_decode_attention`);
     prompt chunks run one SDPA call each with an explicit causal mask offset by the cached prefix.
-    ``fused_decode`` (``kernels.cpu_attention``): a compiled kernel that runs the decode attention straight
+    ``fused_decode`` (``kernels.cpu_kernels``): a compiled kernel that runs the decode attention straight
     from the paged cache instead, used for float32 queries over a float32 cache on the CPU.
     """
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
-from services.engine.kernels import cpu_attention as cpu_kernels
+from services.engine.kernels import cpu_kernels as cpu_kernels
 from services.engine.kernels.backend import Backend
 from services.engine.model_config import ModelConfig
 
@@ -50,6 +50,9 @@ _ONEDNN_MIN_WEIGHT = 1 << 16  # out * in
 _PACKED: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 _PREPACK_MAX_BYTES = 1 << 30
 _PREPACK_ROWS_HINT = 32
+# Bumped by every packing: a compiled Decoder (CausalLM._compiled_decoder) holds the packed copies it was
+# built with, and is rebuilt when this moved, so it always multiplies by what linear() would.
+_pack_generation = 0
 
 
 def prepack_linear_weights(weights: list[torch.Tensor]) -> int:
@@ -60,9 +63,11 @@ def prepack_linear_weights(weights: list[torch.Tensor]) -> int:
     total = sum(w.numel() * w.element_size() for w in eligible)
     if _ONEDNN_LINEAR is None or not eligible or total > _PREPACK_MAX_BYTES:
         return 0
+    global _pack_generation
     for w in eligible:
         _PACKED[id(w)] = (weakref.ref(w), torch.ops.mkldnn._reorder_linear_weight(w, _PREPACK_ROWS_HINT))
         weakref.finalize(w, _PACKED.pop, id(w), None)
+    _pack_generation += 1
     return total
 
 
@@ -109,7 +114,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     In float32 this is one fused ``F.rms_norm`` call, bit-identical to the six-op form below (checked over
     the bench shapes) and one dispatch instead of six: a tiny model's decode step runs ~40 norms. On the
-    CPU, once a model has loaded the compiled kernels (``kernels/cpu_attention.py``), their RMSNorm: the
+    CPU, once a model has loaded the compiled kernels (``kernels/cpu_kernels.py``), their RMSNorm: the
     same order of operations in one pass, equal to ``F.rms_norm`` within float rounding (tested).
     """
     if x.dtype == torch.float32:
@@ -322,6 +327,7 @@ class CausalLM(nn.Module):
             else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+        self._decoder: tuple[int, Any] | None = None  # (pack generation, cpu_kernels.Decoder)
         if backend == "triton":
             from services.engine.kernels.reference import rope_cos_sin_cache
 
@@ -338,11 +344,50 @@ class CausalLM(nn.Module):
         """
         if self.backend == "triton":
             return self._forward_triton(input_ids, positions, meta, kv_cache)
+        if not kv_cache.is_fp8 and (decoder := self._compiled_decoder()) is not None:
+            cos, signed_sin = rope_tables(positions, self.inv_freq, self.dtype)
+            hidden: torch.Tensor = decoder.forward(
+                input_ids, cos, signed_sin, meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.block_size,
+                kv_cache.key_caches, kv_cache.value_caches)
+            return hidden
         x = F.embedding(input_ids, self.embed_tokens)
         cos, signed_sin = rope_tables(positions, self.inv_freq, x.dtype)
         for layer in self.layers:
             x = layer.forward(x, cos, signed_sin, meta, kv_cache, self.attention)
         return rms_norm(x, self.norm.weight, self.norm.eps)
+
+    def _compiled_decoder(self) -> Any | None:
+        """The compiled whole-forward (``cpu_kernels.Decoder``) when this model runs on it: float32 on the
+        CPU, with the attention backend the model made itself (a backend handed in is always honoured).
+        Built on first use, and again after new weights were packed (it holds the packed copies)."""
+        decoder_cls = cpu_kernels.Decoder
+        attention = self.attention
+        if (decoder_cls is None or not isinstance(attention, TorchPagedAttention) or attention.fused_decode is None
+                or self.dtype != torch.float32 or self.embed_tokens.device.type != "cpu"):
+            return None
+        if self._decoder is not None and self._decoder[0] == _pack_generation:
+            return self._decoder[1]
+
+        def product(weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor]:
+            packed = _packed(weight)
+            return [weight, _NO_WEIGHT if packed is None else packed, _NO_WEIGHT if bias is None else bias]
+
+        layers = []
+        for layer in cast(list[DecoderLayer], list(self.layers)):
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append([
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                _NO_WEIGHT if attn.q_norm is None else attn.q_norm.weight,
+                _NO_WEIGHT if attn.k_norm is None else attn.k_norm.weight,
+                *product(attn.qkv_weight, attn.qkv_bias), *product(attn.o_weight, attn.o_bias),
+                *product(mlp.gate_up_weight, None), *product(mlp.down_weight, None),
+            ])
+        config = self.config
+        decoder = decoder_cls(self.embed_tokens, self.norm.weight, layers, config.rms_norm_eps,
+                              config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                              _ONEDNN_LINEAR is not None)
+        self._decoder = (_pack_generation, decoder)
+        return decoder
 
     def _forward_triton(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                         kv_cache: KVCache) -> torch.Tensor:

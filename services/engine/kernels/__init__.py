@@ -17,7 +17,7 @@ Modules (one noun each):
   rope.py             neox-style rotary embedding from a cos/sin cache, in place on q and k
   activation.py       SiLU-and-mul (SwiGLU's gate)
   cuda_graphs.py      batch-size buckets and static buffers for CUDA-graph decode
-  cpu_attention.py    not Triton: a C++ decode attention over the paged cache for the CPU path, built on
+  cpu_kernels.py    not Triton: a C++ decode attention over the paged cache for the CPU path, built on
                       first use (torch.utils.cpp_extension), oracle TorchPagedAttention's torch decode
 
 Importing this package imports neither triton nor the kernels: only ``backend`` and ``reference`` are

@@ -1,4 +1,4 @@
-"""The fused CPU decode attention (kernels/cpu_attention.py) against the torch decode path it replaces."""
+"""The fused CPU decode attention (kernels/cpu_kernels.py) against the torch decode path it replaces."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from services.engine.attention import KVCache, KVCacheSpec, SeqSpan, TorchPagedAttention, build_attention_metadata
-from services.engine.kernels import cpu_attention
+from services.engine.kernels import cpu_kernels
 
-fused = cpu_attention.fused_decode()
+fused = cpu_kernels.fused_decode()
 # Under CI (.ci/run installs g++ and sets LLMGW_CI=1) a kernel that cannot be built fails instead of skipping.
 needs_kernel = pytest.mark.skipif(fused is None and os.environ.get("LLMGW_CI") != "1",
                                   reason="no C++ compiler: the fused kernel could not be built")
@@ -103,42 +103,42 @@ def test_other_dtypes_and_fp8_caches_keep_the_torch_path(monkeypatch: pytest.Mon
 
 
 def test_the_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_attention.ENV_VAR, "0")
-    monkeypatch.setattr(cpu_attention, "_loaded", False)
-    monkeypatch.setattr(cpu_attention, "paged_decode", None)
-    assert cpu_attention.fused_decode() is None
+    monkeypatch.setenv(cpu_kernels.ENV_VAR, "0")
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "paged_decode", None)
+    assert cpu_kernels.fused_decode() is None
 
 
 def test_a_failed_build_falls_back_and_says_what_to_do(monkeypatch: pytest.MonkeyPatch, tmp_path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_SOURCE", "this is not C++")
-    monkeypatch.setattr(cpu_attention, "_loaded", False)
-    monkeypatch.setattr(cpu_attention, "paged_decode", None)
-    with caplog.at_level("WARNING", logger=cpu_attention.__name__):
-        assert cpu_attention.fused_decode() is None
+    monkeypatch.setattr(cpu_kernels, "_SOURCE", "this is not C++")
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "paged_decode", None)
+    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
+        assert cpu_kernels.fused_decode() is None
     assert "using the slower torch path" in caplog.text and "g++" in caplog.text
 
 
 @needs_kernel
 @pytest.mark.parametrize("shape", [(1, 256), (32, 256), (5, 8, 32), (3, 1024), (0, 64)])
 def test_the_compiled_rms_norm_equals_torch_within_float_rounding(shape: tuple[int, ...]) -> None:
-    assert fused is not None and cpu_attention.rms_norm is not None
+    assert fused is not None and cpu_kernels.rms_norm is not None
     torch.manual_seed(3)
     x, w = torch.randn(*shape) * 3, torch.randn(shape[-1])
     want = torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-6)
-    torch.testing.assert_close(cpu_attention.rms_norm(x, w, 1e-6), want, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-6), want, rtol=2e-6, atol=2e-6)
     # a non-contiguous view (a per-head norm over q inside the fused qkv output) reads the same values
     view, head_w = torch.randn(4, 3 * 32)[:, :64].view(4, 2, 32), torch.randn(32)
-    torch.testing.assert_close(cpu_attention.rms_norm(view, head_w, 1e-6),
+    torch.testing.assert_close(cpu_kernels.rms_norm(view, head_w, 1e-6),
                                torch.nn.functional.rms_norm(view, (32,), head_w, 1e-6), rtol=2e-6, atol=2e-6)
 
 
 def test_the_ninja_wheel_is_put_on_path_when_no_ninja_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
     ninja = pytest.importorskip("ninja")
-    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
     monkeypatch.setenv("PATH", "/nonexistent")
-    cpu_attention._put_ninja_on_path()
+    cpu_kernels._put_ninja_on_path()
     assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
     assert os.path.exists(os.path.join(ninja.BIN_DIR, "ninja"))
 
@@ -148,7 +148,7 @@ def test_the_ninja_wheel_is_put_on_path_when_no_ninja_is_there(monkeypatch: pyte
 def test_the_compiled_qk_norm_and_rope_equal_the_torch_ops(q_heads: int, kv_heads: int, dim: int) -> None:
     from services.engine import model
 
-    assert fused is not None and cpu_attention.qk_norm_rope is not None
+    assert fused is not None and cpu_kernels.qk_norm_rope is not None
     torch.manual_seed(4)
     tokens = 6
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim)  # q and k as views into one projection
@@ -157,12 +157,12 @@ def test_the_compiled_qk_norm_and_rope_equal_the_torch_ops(q_heads: int, kv_head
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     cos, signed_sin = model.rope_tables(torch.tensor([0, 1, 9, 77, 4095, 3]), inv_freq, torch.float32)
     qw, kw = torch.randn(dim), torch.randn(dim)
-    got_q, got_k = cpu_attention.qk_norm_rope(q, k, cos, signed_sin, qw, kw, 1e-6)
+    got_q, got_k = cpu_kernels.qk_norm_rope(q, k, cos, signed_sin, qw, kw, 1e-6)
     f = torch.nn.functional.rms_norm
     torch.testing.assert_close(got_q, model._apply_rope(f(q, (dim,), qw, 1e-6), cos, signed_sin), rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(got_k, model._apply_rope(f(k, (dim,), kw, 1e-6), cos, signed_sin), rtol=2e-6, atol=2e-6)
     # without the per-head norm (Llama, Qwen2) RoPE alone is bit-identical to the torch ops
     none = torch.empty(0)
-    got_q, got_k = cpu_attention.qk_norm_rope(q, k, cos, signed_sin, none, none, 0.0)
+    got_q, got_k = cpu_kernels.qk_norm_rope(q, k, cos, signed_sin, none, none, 0.0)
     assert torch.equal(got_q, model._apply_rope(q, cos, signed_sin))
     assert torch.equal(got_k, model._apply_rope(k, cos, signed_sin))

@@ -1,0 +1,129 @@
+"""Compiled CPU kernels for the engine (C++ in ``cpu_kernels.cpp``): a whole decoder forward, and single ops.
+
+A small C++ extension, compiled once per machine on first use.
+
+* ``Decoder``: one step of the decoder (embedding, every layer, the final norm) over the paged KV cache in
+  one call. A tiny model's step in the torch path is ~40 Python-level op calls per layer, each a few
+  microseconds of interpreter and dispatcher time around microseconds of work; here the products are the
+  same oneDNN / MKL calls ``model.linear`` makes (through the dispatcher, from C++), SiLU and its multiply
+  are torch's own ops, and the norms, RoPE, the cache write and attention are the kernels below.
+  Attention: every token of the step (a decode or a prompt-chunk row alike) reads its causal context
+  straight from its sequence's cache slots, with no gather and no padding.
+* ``paged_decode``: the decode attention alone, for the torch path (``TorchPagedAttention``).
+* ``rms_norm`` and ``qk_norm_rope``: transformers' RMSNorm in one pass (torch's CPU ``F.rms_norm`` is ~6
+  dispatches, ~8-14 us on a decode step's small rows; this is ~1 us), and an attention layer's per-head
+  q/k norms and RoPE in one call instead of ~10.
+
+They are used for float32 models (with a float32, ``auto``, KV cache) on the CPU when a C++ compiler is at
+hand (g++, and ninja, a dependency, as ``torch.utils.cpp_extension`` needs); anything else, or
+``LLMGW_ENGINE_CPU_FUSED=0``, keeps the torch path. The build (~30 s on the 2-core bench machine) happens
+when the engine loads its model, and is cached in torch's extension directory (``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``) under a name that hashes the source, the torch version and this
+CPU's instruction-set flags, so a cache shared between different CPUs never runs code built for another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "LLMGW_ENGINE_CPU_FUSED"
+
+FusedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+_SOURCE = (Path(__file__).parent / "cpu_kernels.cpp").read_text()
+
+# -ffast-math lets the compiler vectorise the dot products, sums and exp (glibc's vector exp); inputs are
+# finite and every exponent is <= 0 (max-subtracted), so none of its assumptions is violated.
+# -ffp-contract=off keeps products and sums rounded one by one (no fused multiply-add), as torch's separate
+# elementwise ops round them: RoPE is then bit-identical to the torch ops.
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-ffp-contract=off", "-fopenmp"]
+
+# The compiled kernels once loaded (None before, or when they cannot be built). ``paged_decode`` is handed
+# to the model's TorchPagedAttention; ``rms_norm`` (model.rms_norm: float32 on the CPU, one pass instead of
+# torch's ~6 dispatches), ``qk_norm_rope`` (model.Attention.forward) and ``Decoder`` (model.CausalLM) are
+# read here at each use.
+paged_decode: FusedDecode | None = None
+rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+qk_norm_rope: Callable[..., list[torch.Tensor]] | None = None
+Decoder: Callable[..., Any] | None = None
+
+_lock = threading.Lock()
+_loaded = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _extension_name() -> str:
+    digest = hashlib.sha256("\0".join([_SOURCE, " ".join(_CFLAGS), torch.__version__, _cpu_flags()]).encode())
+    return f"ninfer_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+def _is_built(name: str) -> bool:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: only for the log line
+
+        return any(Path(_get_build_directory(name, verbose=False)).glob("*.so"))
+    except Exception:
+        return True
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) puts it in the venv's
+    bin, which is not on PATH when the venv's python is run without activating it."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def fused_decode() -> FusedDecode | None:
+    """The compiled kernel, built on the first call (None when disabled or it cannot be built; the reason
+    is logged once, with what to do)."""
+    global _loaded, paged_decode, rms_norm, qk_norm_rope, Decoder
+    with _lock:
+        if _loaded:
+            return paged_decode
+        _loaded = True
+        if os.environ.get(ENV_VAR, "1").strip() == "0":
+            log.info("fused CPU decode attention off (%s=0): using the torch path", ENV_VAR)
+            return None
+        name = _extension_name()
+        if not _is_built(name):
+            log.info("compiling the engine's CPU kernels (decoder, attention, norms), once per machine: ~30 s")
+        _put_ninja_on_path()
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            module = load_inline(name, cpp_sources=[_SOURCE], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                                 verbose=False)
+        except Exception as exc:
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            log.warning("fused CPU decode attention unavailable (%s); using the slower torch path. Install a "
+                        "C++ compiler (apt-get install g++) to enable it, or set %s=0 to silence this",
+                        reason, ENV_VAR)
+            return None
+        paged_decode, rms_norm, qk_norm_rope = module.paged_decode, module.rms_norm, module.qk_norm_rope
+        Decoder = module.Decoder
+        return paged_decode
