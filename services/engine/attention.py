@@ -28,6 +28,7 @@ that with scale 1.0.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -267,9 +268,17 @@ class AttentionMetadata:
     query_start_loc_list: tuple[int, ...]
     seq_lens_list: tuple[int, ...]
     block_size: int
-    # The one-token sequences batched for TorchPagedAttention; None when the step has none. Optional so
-    # a backend that does not need it (or a hand-built metadata) can leave it out.
+    # The one-token sequences batched for TorchPagedAttention, when given; else decode_batch builds them on
+    # first use (a backend that never reads them, like the compiled decoder or Triton, never pays for it).
     decode: DecodeBatch | None = None
+
+    @functools.cached_property
+    def decode_batch(self) -> DecodeBatch | None:
+        """``decode``, or the step's one-token sequences batched (None when it has none); built once."""
+        if self.decode is not None:
+            return self.decode
+        return _build_decode_batch(list(self.query_start_loc_list), list(self.seq_lens_list), self.block_tables,
+                                   self.block_size)
 
     @property
     def num_seqs(self) -> int:
@@ -336,7 +345,6 @@ def build_attention_metadata(
         query_start_loc_list=tuple(query_start_loc),
         seq_lens_list=tuple(seq_lens),
         block_size=block_size,
-        decode=_build_decode_batch(query_start_loc, seq_lens, block_tables, block_size),
     )
     return meta, torch.tensor(positions, dtype=torch.long, device=device)
 
@@ -454,7 +462,7 @@ class TorchPagedAttention:
         kv_cache: KVCache,
     ) -> torch.Tensor:
         kv_cache.write(layer_idx, k, v, meta.slot_mapping)
-        decode = meta.decode if meta.decode is not None else _decode_batch_of(meta)
+        decode = meta.decode_batch
         if decode is not None and decode.is_whole_step:
             return self._decode(q, decode, kv_cache, layer_idx)
         out = torch.empty_like(q)
@@ -476,13 +484,6 @@ class TorchPagedAttention:
         if decode is not None:
             out[decode.token_rows] = self._decode(q, decode, kv_cache, layer_idx)
         return out
-
-
-def _decode_batch_of(meta: AttentionMetadata) -> DecodeBatch | None:
-    """The DecodeBatch of a metadata built without one (hand-built, or by another builder)."""
-    return _build_decode_batch(
-        list(meta.query_start_loc_list), list(meta.seq_lens_list), meta.block_tables, meta.block_size
-    )
 
 
 def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -173,6 +173,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
 
 
 _NO_WEIGHT = torch.empty(0)  # qk_norm_rope's "no per-head norm"
+_NO_ROWS = torch.empty(0, dtype=torch.long)
 
 
 class Attention(nn.Module):
@@ -328,6 +329,7 @@ class CausalLM(nn.Module):
         )
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         self._decoder: tuple[int, Any] | None = None  # (pack generation, cpu_kernels.Decoder)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # the compiled decoder's RoPE tables
         if backend == "triton":
             from services.engine.kernels.reference import rope_cos_sin_cache
 
@@ -345,16 +347,42 @@ class CausalLM(nn.Module):
         if self.backend == "triton":
             return self._forward_triton(input_ids, positions, meta, kv_cache)
         if not kv_cache.is_fp8 and (decoder := self._compiled_decoder()) is not None:
-            cos, signed_sin = rope_tables(positions, self.inv_freq, self.dtype)
-            hidden: torch.Tensor = decoder.forward(
-                input_ids, cos, signed_sin, meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.block_size,
-                kv_cache.key_caches, kv_cache.value_caches)
-            return hidden
+            return self._compiled_forward(decoder, input_ids, meta, kv_cache, _NO_ROWS)[1]
         x = F.embedding(input_ids, self.embed_tokens)
         cos, signed_sin = rope_tables(positions, self.inv_freq, x.dtype)
         for layer in self.layers:
             x = layer.forward(x, cos, signed_sin, meta, kv_cache, self.attention)
         return rms_norm(x, self.norm.weight, self.norm.eps)
+
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_cache: KVCache, logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` and :meth:`compute_logits` of the hidden rows ``logit_rows`` ``[R]`` (ascending):
+        ``(logits [R, vocab] float32, hidden [T, hidden_size])``."""
+        if self.backend != "triton" and not kv_cache.is_fp8 and (decoder := self._compiled_decoder()) is not None:
+            return self._compiled_forward(decoder, input_ids, meta, kv_cache, logit_rows)
+        hidden = self(input_ids, positions, meta, kv_cache)
+        if not logit_rows.numel():
+            return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=hidden.device), hidden
+        return self.compute_logits(hidden[logit_rows]), hidden
+
+    def _compiled_forward(self, decoder: Any, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                          logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, signed_sin = self._rope_table(max(meta.seq_lens_list))
+        hidden, logits = decoder.forward(input_ids, cos, signed_sin, meta.query_start_loc, meta.seq_lens,
+                                         meta.block_tables, meta.block_size, kv_cache.key_caches,
+                                         kv_cache.value_caches, logit_rows)
+        return logits, hidden
+
+    def _rope_table(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed_sin ``[P, head_dim]`` for positions 0 .. P-1 with P >= ``num_positions`` (rope_tables
+        of ``arange(P)``: the same products, so the same values as a step's own tables). Grown by doubling."""
+        table = self._rope
+        if table is None or table[0].shape[0] < num_positions:
+            size = max(1024, 1 << (num_positions - 1).bit_length())
+            positions = torch.arange(size, device=self.inv_freq.device)
+            cos, signed_sin = rope_tables(positions, self.inv_freq, self.dtype)
+            table = self._rope = (cos.reshape(size, -1), signed_sin.reshape(size, -1))
+        return table
 
     def _compiled_decoder(self) -> Any | None:
         """The compiled whole-forward (``cpu_kernels.Decoder``) when this model runs on it: float32 on the
@@ -383,7 +411,8 @@ class CausalLM(nn.Module):
                 *product(mlp.gate_up_weight, None), *product(mlp.down_weight, None),
             ])
         config = self.config
-        decoder = decoder_cls(self.embed_tokens, self.norm.weight, layers, config.rms_norm_eps,
+        decoder = decoder_cls(self.embed_tokens, self.norm.weight, product(self.lm_head, None), layers,
+                              config.rms_norm_eps,
                               config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                               _ONEDNN_LINEAR is not None)
         self._decoder = (_pack_generation, decoder)

@@ -167,8 +167,5 @@ class ModelRunner:
         with torch.inference_mode():
             meta, positions = build_attention_metadata(spans, self.block_size, self.device)
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-            hidden = self.model(ids, positions, meta, self.kv_cache)
-            if not logit_rows:
-                return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device), hidden
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-            return self.model.compute_logits(hidden[rows]), hidden
+            return self.model.forward_logits(ids, positions, meta, self.kv_cache, rows)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.kernels import cpu_kernels
 from services.engine.sampling_params import SamplingParams
 
 # Smallest positive float32; keeps E > 0 so p / E never divides by zero (0 / 0 = NaN would win argmax).
@@ -64,7 +65,7 @@ class Sampler:
         if any(p.shapes_logits for p in params):
             logits = apply_penalties(raw.clone(), params, histories)
         greedy = [p.is_greedy for p in params]
-        sampled = logits.argmax(dim=-1)
+        sampled = argmax(logits)
         if not all(greedy):
             random_ids = self._sample_random(logits, params, generators, greedy)
             greedy_mask = torch.tensor(greedy, device=logits.device)
@@ -131,6 +132,15 @@ class Sampler:
             top_vals_l = top_ids_l = [[] for _ in token_ids]
         return [TokenLogprobs(token_id=t, logprob=c, top=tuple(zip(i, v, strict=True)))
                 for t, c, i, v in zip(token_ids, chosen, top_ids_l, top_vals_l, strict=True)]
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of ``[N, V]`` float32 logits, by the compiled kernel on the CPU when it is
+    loaded (same result: the first index of the largest value)."""
+    kernel = cpu_kernels.argmax_rows
+    if kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[1]:
+        return kernel(logits)
+    return logits.argmax(dim=-1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,7 @@ paged_decode: FusedDecode | None = None
 rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 qk_norm_rope: Callable[..., list[torch.Tensor]] | None = None
 Decoder: Callable[..., Any] | None = None
+argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 _lock = threading.Lock()
 _loaded = False
@@ -101,7 +102,7 @@ def _put_ninja_on_path() -> None:
 def fused_decode() -> FusedDecode | None:
     """The compiled kernel, built on the first call (None when disabled or it cannot be built; the reason
     is logged once, with what to do)."""
-    global _loaded, paged_decode, rms_norm, qk_norm_rope, Decoder
+    global _loaded, paged_decode, rms_norm, qk_norm_rope, Decoder, argmax_rows
     with _lock:
         if _loaded:
             return paged_decode
@@ -125,5 +126,5 @@ def fused_decode() -> FusedDecode | None:
                         reason, ENV_VAR)
             return None
         paged_decode, rms_norm, qk_norm_rope = module.paged_decode, module.rms_norm, module.qk_norm_rope
-        Decoder = module.Decoder
+        Decoder, argmax_rows = module.Decoder, module.argmax_rows
         return paged_decode

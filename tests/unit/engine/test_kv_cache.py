@@ -142,10 +142,10 @@ def test_decode_rows_grouped_by_context_length_give_the_one_batch_answer(kv_dtyp
         meta, _ = build_attention_metadata([full], 4, "cpu")
         cache.write(0, torch.randn(span.start_pos, 2, 8), torch.randn(span.start_pos, 2, 8), meta.slot_mapping)
     meta, _ = build_attention_metadata(spans, 4, "cpu")
-    assert meta.decode is not None and meta.decode.groups is not None  # the lengths call for two groups
+    assert meta.decode_batch is not None and meta.decode_batch.groups is not None  # the lengths call for two groups
     q, k, v = torch.randn(len(lens), 4, 8), torch.randn(len(lens), 2, 8), torch.randn(len(lens), 2, 8)
     grouped = TorchPagedAttention().forward(0, q, k, v, meta, cache)
-    one_batch = TorchPagedAttention().forward(0, q, k, v, replace(meta, decode=replace(meta.decode, groups=None)),
+    one_batch = TorchPagedAttention().forward(0, q, k, v, replace(meta, decode=replace(meta.decode_batch, groups=None)),
                                               cache)
     assert torch.allclose(grouped, one_batch, atol=1e-5)
     for i, span in enumerate(spans):  # and each row alone
