@@ -67,32 +67,42 @@ inline v8f reduce8x8(const v8f* x) {
   return __builtin_shuffle(w, order);
 }
 
-template <int D>
-inline v8f dot_partial(const float* a, const float* b) {
-  v8f acc = load8(a) * load8(b);
+// Positions [l0, l1) of one token for NH query heads h0 .. h0+NH-1 that share one KV head (D % 8 == 0):
+// per head h, m[h] the max score, s[h] the sum of exp(score - m[h]), acc[h] the sum of
+// exp(score - m[h]) * value. Each key and value row is loaded once for the NH heads. `scores`: NH * n.
+template <int D, int NH>
+void attend_heads(const float* q, const int64_t* sl, int64_t n, const float* kp, const float* vp, int64_t row,
+                  int64_t off, float scale, float* scores, float* m, float* s, float* acc) {
+  constexpr int C = D / 8;
+  v8f qv[NH][C];
+  for (int g = 0; g < NH; ++g) {
+    for (int c = 0; c < C; ++c) qv[g][c] = load8(q + g * D + 8 * c);
+  }
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    v8f x[NH][8];
+    for (int u = 0; u < 8; ++u) {
+      const float* kr = kp + sl[j + u] * row + off;
+      v8f k0 = load8(kr);
+      for (int g = 0; g < NH; ++g) x[g][u] = qv[g][0] * k0;
 #pragma GCC unroll 32
-  for (int c = 8; c < D; c += 8) acc += load8(a + c) * load8(b + c);
-  return acc;
-}
-
-// Positions [l0, l1) of one token, every head (D % 8 == 0): per head h, m[h] the max score, s[h] the sum
-// of exp(score - m[h]), acc[h] the sum of exp(score - m[h]) * value. `scores`: Hq * (l1 - l0) floats.
-template <int D>
-void attend_piece(const float* q, const int64_t* slots, int64_t l0, int64_t l1, const float* kp, const float* vp,
-                  int64_t Hq, int64_t Hkv, float scale, float* scores, float* m, float* s, float* acc) {
-  const int64_t n = l1 - l0, G = Hq / Hkv, row = Hkv * D;
-  const int64_t* sl = slots + l0;
-  for (int64_t h = 0; h < Hq; ++h) {
-    const float* qh = q + h * D;
-    const int64_t off = (h / G) * D;
-    float* sh = scores + h * n;
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      v8f x[8];
-      for (int u = 0; u < 8; ++u) x[u] = dot_partial<D>(qh, kp + sl[j + u] * row + off);
-      store8(sh + j, reduce8x8(x) * scale);
+      for (int c = 1; c < C; ++c) {
+        const v8f kc = load8(kr + 8 * c);
+        for (int g = 0; g < NH; ++g) x[g][u] += qv[g][c] * kc;
+      }
     }
-    for (; j < n; ++j) sh[j] = sum8(dot_partial<D>(qh, kp + sl[j] * row + off)) * scale;
+    for (int g = 0; g < NH; ++g) store8(scores + g * n + j, reduce8x8(x[g]) * scale);
+  }
+  for (; j < n; ++j) {
+    const float* kr = kp + sl[j] * row + off;
+    for (int g = 0; g < NH; ++g) {
+      v8f a = qv[g][0] * load8(kr);
+      for (int c = 1; c < C; ++c) a += qv[g][c] * load8(kr + 8 * c);
+      scores[g * n + j] = sum8(a) * scale;
+    }
+  }
+  for (int g = 0; g < NH; ++g) {
+    float* sh = scores + g * n;
     float mx = sh[0];
     for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sh[i]);
     float sum = 0.f;
@@ -100,17 +110,43 @@ void attend_piece(const float* q, const int64_t* slots, int64_t l0, int64_t l1, 
       sh[i] = std::exp(sh[i] - mx);
       sum += sh[i];
     }
-    m[h] = mx;
-    s[h] = sum;
-    v8f a[D / 8];
-    for (int c = 0; c < D / 8; ++c) a[c] = v8f{};
-    for (int64_t i = 0; i < n; ++i) {
-      const float* vr = vp + sl[i] * row + off;
-      const v8f p = v8f{} + sh[i];
+    m[g] = mx;
+    s[g] = sum;
+  }
+  v8f a[NH][C];
+  for (int g = 0; g < NH; ++g) {
+    for (int c = 0; c < C; ++c) a[g][c] = v8f{};
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float* vr = vp + sl[i] * row + off;
 #pragma GCC unroll 32
-      for (int c = 0; c < D / 8; ++c) a[c] += p * load8(vr + 8 * c);
+    for (int c = 0; c < C; ++c) {
+      const v8f vc = load8(vr + 8 * c);
+      for (int g = 0; g < NH; ++g) a[g][c] += (v8f{} + scores[g * n + i]) * vc;
     }
-    for (int c = 0; c < D / 8; ++c) store8(acc + h * D + 8 * c, a[c]);
+  }
+  for (int g = 0; g < NH; ++g) {
+    for (int c = 0; c < C; ++c) store8(acc + g * D + 8 * c, a[g][c]);
+  }
+}
+
+// Positions [l0, l1) of one token, every head: attend_heads over pairs of query heads where a KV head
+// serves an even number of them (two at a time keeps both heads' accumulators in registers), else one
+// at a time. `scores`: Hq * (l1 - l0) floats.
+template <int D>
+void attend_piece(const float* q, const int64_t* slots, int64_t l0, int64_t l1, const float* kp, const float* vp,
+                  int64_t Hq, int64_t Hkv, float scale, float* scores, float* m, float* s, float* acc) {
+  const int64_t n = l1 - l0, G = Hq / Hkv, row = Hkv * D;
+  const int64_t step = G % 2 == 0 ? 2 : 1;
+  for (int64_t h = 0; h < Hq; h += step) {
+    const int64_t off = (h / G) * D;
+    if (step == 2) {
+      attend_heads<D, 2>(q + h * D, slots + l0, n, kp, vp, row, off, scale, scores + h * n, m + h, s + h,
+                         acc + h * D);
+    } else {
+      attend_heads<D, 1>(q + h * D, slots + l0, n, kp, vp, row, off, scale, scores + h * n, m + h, s + h,
+                         acc + h * D);
+    }
   }
 }
 
