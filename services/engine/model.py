@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -173,7 +174,6 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
 
 
 _NO_WEIGHT = torch.empty(0)  # qk_norm_rope's "no per-head norm"
-_NO_ROWS = torch.empty(0, dtype=torch.long)
 
 
 class Attention(nn.Module):
@@ -347,7 +347,9 @@ class CausalLM(nn.Module):
         if self.backend == "triton":
             return self._forward_triton(input_ids, positions, meta, kv_cache)
         if not kv_cache.is_fp8 and (decoder := self._compiled_decoder()) is not None:
-            return self._compiled_forward(decoder, input_ids, meta, kv_cache, _NO_ROWS)[1]
+            return self._compiled_forward(decoder, input_ids.tolist(), list(meta.query_start_loc_list),
+                                          list(meta.seq_lens_list), meta.block_tables.tolist(), meta.block_size,
+                                          kv_cache, [])[1]
         x = F.embedding(input_ids, self.embed_tokens)
         cos, signed_sin = rope_tables(positions, self.inv_freq, x.dtype)
         for layer in self.layers:
@@ -356,21 +358,35 @@ class CausalLM(nn.Module):
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        kv_cache: KVCache, logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` and :meth:`compute_logits` of the hidden rows ``logit_rows`` ``[R]`` (ascending):
+        """:meth:`forward` and :meth:`compute_logits` of the hidden rows ``logit_rows`` ``[R]``:
         ``(logits [R, vocab] float32, hidden [T, hidden_size])``."""
         if self.backend != "triton" and not kv_cache.is_fp8 and (decoder := self._compiled_decoder()) is not None:
-            return self._compiled_forward(decoder, input_ids, meta, kv_cache, logit_rows)
+            return self._compiled_forward(decoder, input_ids.tolist(), list(meta.query_start_loc_list),
+                                          list(meta.seq_lens_list), meta.block_tables.tolist(), meta.block_size,
+                                          kv_cache, logit_rows.tolist())
         hidden = self(input_ids, positions, meta, kv_cache)
         if not logit_rows.numel():
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=hidden.device), hidden
         return self.compute_logits(hidden[logit_rows]), hidden
 
-    def _compiled_forward(self, decoder: Any, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
-                          logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, signed_sin = self._rope_table(max(meta.seq_lens_list))
-        hidden, logits = decoder.forward(input_ids, cos, signed_sin, meta.query_start_loc, meta.seq_lens,
-                                         meta.block_tables, meta.block_size, kv_cache.key_caches,
-                                         kv_cache.value_caches, logit_rows)
+    def compiled_step(self, kv_cache: KVCache, input_ids: Sequence[int], query_start_loc: Sequence[int],
+                      seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int,
+                      logit_rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`forward_logits` of a step given as plain lists (``query_start_loc`` [B+1] and ``seq_lens``
+        [B] as in AttentionMetadata, each sequence's block table), when this model runs on the compiled
+        decoder: no metadata tensors are built. None when it does not (build the metadata and call
+        :meth:`forward_logits`)."""
+        if self.backend == "triton" or kv_cache.is_fp8 or (decoder := self._compiled_decoder()) is None:
+            return None
+        return self._compiled_forward(decoder, input_ids, query_start_loc, seq_lens, block_tables, block_size,
+                                      kv_cache, logit_rows)
+
+    def _compiled_forward(self, decoder: Any, input_ids: Sequence[int], query_start_loc: Sequence[int],
+                          seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int,
+                          kv_cache: KVCache, logit_rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, signed_sin = self._rope_table(max(seq_lens))
+        hidden, logits = decoder.forward(input_ids, query_start_loc, seq_lens, block_tables, block_size, cos,
+                                         signed_sin, kv_cache.key_caches, kv_cache.value_caches, logit_rows)
         return logits, hidden
 
     def _rope_table(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

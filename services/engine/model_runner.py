@@ -155,16 +155,26 @@ class ModelRunner:
             return empty, torch.empty((0, self.config.hidden_size), dtype=self.model.dtype, device=self.device)
         input_ids: list[int] = []
         logit_rows: list[int] = []
-        spans: list[SeqSpan] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        tables: list[Sequence[int]] = []
         for seq in seqs:
             input_ids.extend(seq.token_ids)
-            spans.append(SeqSpan(seq.start_pos, len(seq.token_ids), seq.block_table))
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(seq.start_pos + len(seq.token_ids))
+            tables.append(seq.block_table)
             if seq.needs_logits:
                 if seq.num_draft_tokens:
                     logit_rows.extend(range(len(input_ids) - 1 - seq.num_draft_tokens, len(input_ids)))
                 else:
                     logit_rows.append(len(input_ids) - 1)
         with torch.inference_mode():
+            # the compiled CPU decoder takes the step as lists; other paths get metadata tensors
+            done = self.model.compiled_step(self.kv_cache, input_ids, query_start_loc, seq_lens, tables,
+                                            self.block_size, logit_rows)
+            if done is not None:
+                return done
+            spans = [SeqSpan(seq.start_pos, len(seq.token_ids), seq.block_table) for seq in seqs]
             meta, positions = build_attention_metadata(spans, self.block_size, self.device)
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)

@@ -466,7 +466,8 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   auto out = torch::empty({N}, xc.options().dtype(torch::kInt64));
   const float* xp = xc.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / V), [&](int64_t begin, int64_t end) {
+  // Rows in parallel only when there is a lot of them: waking the other threads costs more than a few.
+  at::parallel_for(0, N, std::max<int64_t>(1, (1 << 19) / V), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * V;
       float mx = row[0];
@@ -538,30 +539,30 @@ class Decoder {
     }
   }
 
-  // One step: `ids` [T] int64, the step's tokens flattened (sequence i owns rows query_start_loc[i] ..
-  // query_start_loc[i+1]); `cos`, `signed_sin` [P, D]: model.rope_tables of positions 0 .. P-1; seq_lens
-  // [B]: context lengths including this step's tokens; block_tables [B, max_blocks]. Each token's K/V is
-  // written into the caches (one [NB, block_size, Hkv, D] per layer) at its position's slot, then it
-  // attends causally over its sequence's context. Returns the final-normed hidden states [T, hidden] and
-  // the logits [R, vocab] of the rows `logit_rows` [R] (the LM head's product on those rows only).
-  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor ids, at::Tensor cos, at::Tensor signed_sin,
-                                             at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_tables,
-                                             int64_t block_size, std::vector<at::Tensor> key_caches,
-                                             std::vector<at::Tensor> value_caches, at::Tensor logit_rows) {
-    const int64_t T = ids.size(0);
-    const int64_t B = seq_lens.size(0);
+  // One step. `ids`: the step's T tokens flattened, sequence i owning ids[query_start_loc[i] ..
+  // query_start_loc[i+1]); seq_lens[i]: its context length including this step's tokens; block_tables[i]:
+  // its physical blocks, covering that context. `cos`, `signed_sin` [P, D]: model.rope_tables of positions
+  // 0 .. P-1. Each token's K/V is written into the caches (one [NB, block_size, Hkv, D] per layer) at its
+  // position's slot, then it attends causally over its sequence's context. Returns the final-normed
+  // hidden states [T, hidden] and the logits [R, vocab] of the rows `logit_rows` (the LM head's product
+  // on those rows only). Plain lists in: the engine's step never builds index tensors for this path.
+  std::tuple<at::Tensor, at::Tensor> forward(const std::vector<int64_t>& ids, const std::vector<int64_t>& qsl,
+                                             const std::vector<int64_t>& lens,
+                                             const std::vector<std::vector<int64_t>>& block_tables,
+                                             int64_t block_size, const at::Tensor& cos, const at::Tensor& signed_sin,
+                                             const std::vector<at::Tensor>& key_caches,
+                                             const std::vector<at::Tensor>& value_caches,
+                                             const std::vector<int64_t>& logit_rows) {
+    const int64_t T = static_cast<int64_t>(ids.size());
+    const int64_t B = static_cast<int64_t>(lens.size());
     TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
                 "Decoder.forward: one key and one value cache per layer");
-    TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_tables.size(0) == B, "Decoder.forward: metadata shapes");
-    auto qsl_t = query_start_loc.contiguous();
-    auto lens_t = seq_lens.contiguous();
-    auto bt_t = block_tables.contiguous();
-    const int64_t* qsl = qsl_t.data_ptr<int64_t>();
-    const int64_t* lens = lens_t.data_ptr<int64_t>();
-    const int64_t* bt = bt_t.data_ptr<int64_t>();
-    const int64_t width = bt_t.size(1);
+    TORCH_CHECK(static_cast<int64_t>(qsl.size()) == B + 1 && static_cast<int64_t>(block_tables.size()) == B,
+                "Decoder.forward: metadata shapes");
+    TORCH_CHECK(B > 0 && qsl[0] == 0 && qsl[B] == T, "Decoder.forward: query_start_loc does not cover the tokens");
+    TORCH_CHECK(block_size > 0, "Decoder.forward: block_size must be positive");
     const int64_t num_slots = key_caches[0].size(0) * key_caches[0].size(1);
-    TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, "Decoder.forward: query_start_loc does not cover the tokens");
+    const int64_t vocab = embed_.size(0);
 
     // Every sequence's context slots, and each token's sequence and position (checked once, here).
     std::vector<int64_t> ctx_offset(B + 1, 0);
@@ -571,13 +572,18 @@ class Decoder {
     for (int64_t i = 0; i < B; ++i) {
       const int64_t q_len = qsl[i + 1] - qsl[i];
       TORCH_CHECK(q_len >= 1 && q_len <= lens[i], "Decoder.forward: a sequence with no new tokens");
-      TORCH_CHECK((lens[i] + block_size - 1) / block_size <= width, "Decoder.forward: a block table too short");
-      for (int64_t p = 0; p < lens[i]; ++p) {
-        const int64_t slot = bt[i * width + p / block_size] * block_size + p % block_size;
-        TORCH_CHECK(slot >= 0 && slot < num_slots, "Decoder.forward: a slot outside the cache");
-        ctx_slots[ctx_offset[i] + p] = slot;
+      const auto& table = block_tables[i];
+      TORCH_CHECK((lens[i] + block_size - 1) / block_size <= static_cast<int64_t>(table.size()),
+                  "Decoder.forward: a block table too short for its context");
+      int64_t* out = ctx_slots.data() + ctx_offset[i];
+      for (int64_t p0 = 0, b = 0; p0 < lens[i]; p0 += block_size, ++b) {
+        const int64_t base = table[b] * block_size;
+        TORCH_CHECK(table[b] >= 0 && base + block_size <= num_slots, "Decoder.forward: a block outside the cache");
+        const int64_t count = std::min(block_size, lens[i] - p0);
+        for (int64_t j = 0; j < count; ++j) out[p0 + j] = base + j;
       }
       for (int64_t t = qsl[i]; t < qsl[i + 1]; ++t) {
+        TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "Decoder.forward: a token id outside the vocabulary");
         token_seq[t] = i;
         token_pos[t] = lens[i] - (qsl[i + 1] - t);
       }
@@ -596,8 +602,11 @@ class Decoder {
     for (int64_t t = 0; t < T; ++t) max_pos = std::max(max_pos, token_pos[t]);
     TORCH_CHECK(cc.dim() == 2 && cc.size(1) == D_ && sc.sizes() == cc.sizes() && cc.size(0) > max_pos,
                 "Decoder.forward: cos/sin must be [P, D] with a row for every position");
-    at::Tensor x = at::embedding(embed_, ids);  // the residual stream, updated in place
-    const int64_t Hd = x.size(1);
+    const int64_t Hd = embed_.size(1);
+    at::Tensor x = at::empty({T, Hd}, embed_.options());  // the residual stream, updated in place
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(x.data_ptr<float>() + t * Hd, embed_.data_ptr<float>() + ids[t] * Hd, Hd * sizeof(float));
+    }
     at::Tensor h = at::empty_like(x);
     float* xp = x.data_ptr<float>();
     float* hp = h.data_ptr<float>();
@@ -634,9 +643,15 @@ class Decoder {
       const at::Tensor& next_norm = li + 1 < layers_.size() ? layers_[li + 1].input_norm : final_norm_;
       add_rms_rows(xp, d.data_ptr<float>(), next_norm, T, Hd, hp);
     }
-    if (logit_rows.numel() == 0) return {h, at::empty({0, lm_head_.weight.size(0)}, h.options())};
+    const int64_t R = static_cast<int64_t>(logit_rows.size());
+    if (R == 0) return {h, at::empty({0, lm_head_.weight.size(0)}, h.options())};
     // model.compute_logits: the LM head on the rows that sample
-    return {h, linear(logit_rows.numel() == T ? h : h.index_select(0, logit_rows), lm_head_)};
+    at::Tensor rows = at::empty({R, Hd}, h.options());
+    for (int64_t r = 0; r < R; ++r) {
+      TORCH_CHECK(logit_rows[r] >= 0 && logit_rows[r] < T, "Decoder.forward: a logit row outside the step");
+      std::memcpy(rows.data_ptr<float>() + r * Hd, hp + logit_rows[r] * Hd, Hd * sizeof(float));
+    }
+    return {h, linear(rows, lm_head_)};
   }
 
  private:
