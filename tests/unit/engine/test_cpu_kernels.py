@@ -166,3 +166,21 @@ def test_the_compiled_qk_norm_and_rope_equal_the_torch_ops(q_heads: int, kv_head
     got_q, got_k = cpu_kernels.qk_norm_rope(q, k, cos, signed_sin, none, none, 0.0)
     assert torch.equal(got_q, model._apply_rope(q, cos, signed_sin))
     assert torch.equal(got_k, model._apply_rope(k, cos, signed_sin))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), [(8, 4, 128), (4, 4, 48), (6, 2, 32)])
+def test_one_long_context_is_split_across_threads_and_merged_exactly(q_heads: int, kv_heads: int, dim: int) -> None:
+    """A single decode over 3,000 positions is cut into one piece per thread (flash-decoding): the merged
+    result equals the torch path. Head sizes: vectorised (128), the any-size fallback (48), unpaired
+    heads (three query heads per KV head: taken one at a time)."""
+    assert fused is not None, "the fused kernel did not build (see the warning logged)"
+    torch.manual_seed(6)
+    spans = _spans([(2999, 1), (40, 1)], 16, random.Random(6))
+    cache = _filled_cache(spans, kv_heads, dim, 16)
+    meta, _ = build_attention_metadata(spans, 16, "cpu")
+    q = torch.randn(2, q_heads, dim)
+    k, v = torch.randn(2, kv_heads, dim), torch.randn(2, kv_heads, dim)
+    want = TorchPagedAttention().forward(0, q, k, v, meta, cache)
+    got = TorchPagedAttention(fused).forward(0, q, k, v, meta, cache)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
