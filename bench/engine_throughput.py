@@ -148,7 +148,7 @@ def engine_kwargs(concurrency: int, **extra: object) -> dict[str, object]:
 
 
 def bench_engine(
-    shape: Shape, path: Path, prompts: list[list[int]], bar: tqdm, **extra: object
+    shape: Shape, path: Path, prompts: list[list[int]], bar: tqdm
 ) -> tuple[list[Row], list[list[int]]]:
     """Rows for concurrency 1, 8, 32, and the concurrency-1 outputs."""
     rows = []
@@ -157,7 +157,7 @@ def bench_engine(
     for concurrency in CONCURRENCIES:
         n = shape.num_sequential_prompts if concurrency == 1 else shape.num_prompts
         subset = prompts[:n]
-        llm = LLM(path, **engine_kwargs(concurrency, **extra))  # type: ignore[arg-type]
+        llm = LLM(path, **engine_kwargs(concurrency))  # type: ignore[arg-type]
         llm.generate(subset[:concurrency], sampling)  # warm-up
         outputs: list = []
         seconds = timed(lambda llm=llm, subset=subset, o=outputs: o.extend(llm.generate(subset, sampling)))
@@ -251,14 +251,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--skip-transformers", action="store_true", help="engine only (quick iteration)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny shape, few prompts")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown for docs/")
-    parser.add_argument("--compile", action="store_true", help="engine with compile_model=True")
     args = parser.parse_args(argv)
 
     names = ["tiny"] if args.quick else [s for s in args.shapes.split(",") if s]
     for name in names:
         if name not in SHAPES:
             parser.error(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
-    extra: dict[str, object] = {"compile_model": True} if args.compile else {}
     rows: list[Row] = []
     prefix: dict[str, dict[str, float]] = {}
     matches: dict[str, int] = {}
@@ -280,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
             prompts = make_prompts(max(shape.num_prompts, shape.num_sequential_prompts), shape.vocab_size, seed=0)
             bar.set_description(f"{name} engine")
-            engine_rows, engine_outputs = bench_engine(shape, path, prompts, bar, **extra)
+            engine_rows, engine_outputs = bench_engine(shape, path, prompts, bar)
             rows += engine_rows
             bar.set_description(f"{name} prefix cache")
             p = bench_prefix_cache(shape, path, args.prefix_requests, bar)
