@@ -638,7 +638,8 @@ class Decoder {
       add_rms_rows(xp, a.data_ptr<float>(), L.post_norm, T, Hd, hp);
       at::Tensor gu = linear(h, L.gate_up);
       const int64_t I = gu.size(1) / 2;
-      at::Tensor m = at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
+      at::Tensor m = at::empty({T, I}, gu.options());
+      silu_mul_rows(gu.data_ptr<float>(), T, I, m.data_ptr<float>());
       at::Tensor d = linear(m, L.down);
       const at::Tensor& next_norm = li + 1 < layers_.size() ? layers_[li + 1].input_norm : final_norm_;
       add_rms_rows(xp, d.data_ptr<float>(), next_norm, T, Hd, hp);
@@ -672,6 +673,19 @@ class Decoder {
     const float* wp = w.data_ptr<float>();
     at::parallel_for(0, N, norm_grain(H), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * H, wp, eps_, H, op + r * H);
+    });
+  }
+
+  // SwiGLU's silu(gate) * up for rows of gu = [gate | up] (each I wide): torch's formula, x / (1 + exp(-x)),
+  // then the product, in one pass instead of two ops and an intermediate tensor.
+  static void silu_mul_rows(const float* gp, int64_t N, int64_t I, float* op) {
+    at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* g = gp + r * 2 * I;
+        const float* u = g + I;
+        float* o = op + r * I;
+        for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      }
     });
   }
 
