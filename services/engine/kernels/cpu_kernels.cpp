@@ -80,43 +80,89 @@ inline void prefetch_rows(const float* base, const int64_t* sl, int64_t count, i
 
 // Scores of positions sl[0..8) for NH query heads q[0..NH) (D floats each) against their KV head's keys
 // (at `off` in each row): 8 dot products per head, reduced together, scaled, stored to scores[g * n].
+// The widest vector the target has: 16 floats with AVX-512, else 8. Dot products and weighted sums run on
+// it; scores are folded to 8 lanes for reduce8x8.
+#if defined(__AVX512F__)
+typedef float vwf __attribute__((vector_size(64)));
+constexpr int kWide = 16;
+inline v8f fold8(vwf v) {
+  v8f lo, hi;
+  __builtin_memcpy(&lo, &v, sizeof lo);
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  return lo + hi;
+}
+#else
+typedef v8f vwf;
+constexpr int kWide = 8;
+inline v8f fold8(vwf v) { return v; }
+#endif
+
+// Scores of positions sl[0..8) for NH query heads q[0..NH) (D floats each) against their KV head's keys
+// (at `off` in each row): 8 dot products per head, reduced together, scaled, stored to scores[g * n].
 template <int D, int NH>
 inline void score8(const float* q, const int64_t* sl, const float* kp, int64_t row, int64_t off, float scale,
                    float* scores, int64_t n) {
-  constexpr int C = D / 8;
-  v8f x[NH][8];
+  constexpr int W = D % kWide == 0 ? kWide : 8;
+  typedef float vec __attribute__((vector_size(W * 4)));
+  constexpr int C = D / W;
+  vec x[NH][8];
   for (int u = 0; u < 8; ++u) {
     const float* kr = kp + sl[u] * row + off;
-    const v8f k0 = load8(kr);
-    for (int g = 0; g < NH; ++g) x[g][u] = load8(q + g * D) * k0;
+    vec k0;
+    __builtin_memcpy(&k0, kr, sizeof k0);
+    for (int g = 0; g < NH; ++g) {
+      vec q0;
+      __builtin_memcpy(&q0, q + g * D, sizeof q0);
+      x[g][u] = q0 * k0;
+    }
 #pragma GCC unroll 32
     for (int c = 1; c < C; ++c) {
-      const v8f kc = load8(kr + 8 * c);
-      for (int g = 0; g < NH; ++g) x[g][u] += load8(q + g * D + 8 * c) * kc;
+      vec kc;
+      __builtin_memcpy(&kc, kr + W * c, sizeof kc);
+      for (int g = 0; g < NH; ++g) {
+        vec qc;
+        __builtin_memcpy(&qc, q + g * D + W * c, sizeof qc);
+        x[g][u] += qc * kc;
+      }
     }
   }
-  for (int g = 0; g < NH; ++g) store8(scores + g * n, reduce8x8(x[g]) * scale);
+  for (int g = 0; g < NH; ++g) {
+    v8f f[8];
+    for (int u = 0; u < 8; ++u) {
+      if constexpr (W == 8) {
+        __builtin_memcpy(&f[u], &x[g][u], sizeof f[u]);
+      } else {
+        vwf w;
+        __builtin_memcpy(&w, &x[g][u], sizeof w);
+        f[u] = fold8(w);
+      }
+    }
+    store8(scores + g * n, reduce8x8(f) * scale);
+  }
 }
 
 // acc[g] += sum over positions sl[0..count) of p[g * n + i] * value row i, for NH heads sharing a KV head.
 template <int D, int NH>
 inline void weigh(const float* p, const int64_t* sl, int64_t count, const float* vp, int64_t row, int64_t off,
                   float* acc, int64_t n) {
-  constexpr int C = D / 8;
-  v8f a[NH][C];
+  constexpr int W = D % kWide == 0 ? kWide : 8;
+  typedef float vec __attribute__((vector_size(W * 4)));
+  constexpr int C = D / W;
+  vec a[NH][C];
   for (int g = 0; g < NH; ++g) {
-    for (int c = 0; c < C; ++c) a[g][c] = load8(acc + g * D + 8 * c);
+    for (int c = 0; c < C; ++c) __builtin_memcpy(&a[g][c], acc + g * D + W * c, sizeof(vec));
   }
   for (int64_t i = 0; i < count; ++i) {
     const float* vr = vp + sl[i] * row + off;
 #pragma GCC unroll 32
     for (int c = 0; c < C; ++c) {
-      const v8f vc = load8(vr + 8 * c);
-      for (int g = 0; g < NH; ++g) a[g][c] += (v8f{} + p[g * n + i]) * vc;
+      vec vc;
+      __builtin_memcpy(&vc, vr + W * c, sizeof vc);
+      for (int g = 0; g < NH; ++g) a[g][c] += (vec{} + p[g * n + i]) * vc;
     }
   }
   for (int g = 0; g < NH; ++g) {
-    for (int c = 0; c < C; ++c) store8(acc + g * D + 8 * c, a[g][c]);
+    for (int c = 0; c < C; ++c) __builtin_memcpy(acc + g * D + W * c, &a[g][c], sizeof(vec));
   }
 }
 
