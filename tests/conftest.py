@@ -20,6 +20,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("models") / "tiny-qwen3", arch="qwen3")
 
 
+# Tokens a generation asks for when it must outlast a timeout, an outage or a check: the tiny model makes
+# ~7,000 tokens a second on the bench CPU, so its 4,096-token context lasts about half a second.
+LONG_GENERATION_TOKENS = 24_000
+
+
+@pytest.fixture(scope="session")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_model with a 32k-token context, for LONG_GENERATION_TOKENS-long generations."""
+    from services.engine.tiny_checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("models") / "tiny-qwen3-32k", arch="qwen3",
+                                 max_position_embeddings=32_768)
+
+
 @pytest.fixture
 async def nats_server(tmp_path: Path) -> AsyncIterator[EmbeddedNatsServer]:
     async with EmbeddedNatsServer(tmp_path / "nats") as server:

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from services.common.nats_server import EmbeddedNatsServer
+from tests.conftest import LONG_GENERATION_TOKENS
 from tests.faults.client import Result, chat_body, post
 from tests.faults.conftest import engine_proc, gateway_in_process, procs, read_usage, wait_until
 
@@ -23,14 +24,14 @@ CLIENT_TIMEOUT_S = 10.0
 
 
 @pytest.mark.slow
-async def test_a_nats_restart_costs_fast_503s_only_and_loses_no_usage_record(tiny_model, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+async def test_a_nats_restart_costs_fast_503s_only_and_loses_no_usage_record(long_model, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     caplog.set_level(logging.WARNING, logger="services.gateway.service")
     server = EmbeddedNatsServer(tmp_path / "nats")
     await server.start()
     port = int(server.url.rsplit(":", 1)[1])
     try:
         with procs() as started:
-            engine = engine_proc(tiny_model, server.url, "e1", tmp_path / "e1",
+            engine = engine_proc(long_model, server.url, "e1", tmp_path / "e1",
                                  "--heartbeat-interval", str(HEARTBEAT_S))
             started.append(engine)
             await engine.start()
@@ -53,7 +54,8 @@ async def test_a_nats_restart_costs_fast_503s_only_and_loses_no_usage_record(tin
                         await asyncio.sleep(0.05)
 
                 clients = [asyncio.create_task(client(i)) for i in range(3)]
-                long_stream = asyncio.create_task(post(http, url, chat_body(3000, True, "long"), g.auth))
+                long_body = chat_body(LONG_GENERATION_TOKENS, True, "long")
+                long_stream = asyncio.create_task(post(http, url, long_body, g.auth))
                 await wait_until(lambda: sum(r.status == 200 for _, r in sent) >= 10, 20)
                 await asyncio.sleep(0.5)  # the long stream is streaming now
 

@@ -16,6 +16,7 @@ import time
 import aiohttp
 import pytest
 
+from tests.conftest import LONG_GENERATION_TOKENS
 from tests.faults.client import Result, chat_body, post
 from tests.faults.conftest import engine_proc, gateway_in_process, gateway_proc, procs, wait_until
 
@@ -100,10 +101,10 @@ async def wait_until_async(predicate, timeout_s: float) -> None:  # type: ignore
 
 
 @pytest.mark.slow
-async def test_the_gateway_limits_from_the_pools_file_hold(nats_server, tiny_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_the_gateway_limits_from_the_pools_file_hold(nats_server, long_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
     limits = {"gateway": {"max_concurrent_per_key": 3, "request_timeout_s": 1, "max_body_bytes": 64 * 1024}}
     with procs() as started:
-        engine = engine_proc(tiny_model, nats_server.url, "e1", tmp_path / "e1", "--max-concurrency", "8")
+        engine = engine_proc(long_model, nats_server.url, "e1", tmp_path / "e1", "--max-concurrency", "8")
         started.append(engine)
         await engine.start()
         async with gateway_in_process(nats_server.url, tmp_path / "gw", limits) as g, aiohttp.ClientSession() as http:
@@ -123,14 +124,15 @@ async def test_the_gateway_limits_from_the_pools_file_hold(nats_server, tiny_mod
             assert (await post(http, url, chat_body(2, False, "x" * 1000), g.auth)).status == 200
 
             # request timeout (1 s): a long generation is cut, as JSON (504) or as an SSE error event
-            res = await post(http, url, chat_body(4000, False), g.auth)
+            res = await post(http, url, chat_body(LONG_GENERATION_TOKENS, False), g.auth)
             assert res.status == 504 and res.body["error"]["code"] == "request_timeout" and res.elapsed_s < 2.5
-            res = await post(http, url, chat_body(4000, True), g.auth)
+            res = await post(http, url, chat_body(LONG_GENERATION_TOKENS, True), g.auth)
             assert res.status == 200 and res.done and res.error_event["code"] == "request_timeout"
             assert res.elapsed_s < 2.5
 
             # open requests per key: 3; the 4th and later get 429 too_many_concurrent_requests at once
-            longs = [asyncio.create_task(post(http, url, chat_body(4000, True, f"l{i}"), g.auth)) for i in range(3)]
+            longs = [asyncio.create_task(post(http, url, chat_body(LONG_GENERATION_TOKENS, True, f"l{i}"), g.auth))
+                     for i in range(3)]
             await wait_until(lambda: g.gateway.fleet.record("e1").in_flight >= 3, 5)
             extra = await asyncio.gather(*(post(http, url, chat_body(2, False), g.auth) for _ in range(3)))
             assert all(r.status == 429 and r.body["error"]["code"] == "too_many_concurrent_requests"

@@ -20,6 +20,7 @@ from services.engine.energy import ReplayMeter, UnavailableMeter
 from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.service import EngineService, ServeConfig, http_site
 from services.engine.usage_ledger import utc_day
+from tests.conftest import LONG_GENERATION_TOKENS
 from tests.integration.conftest import wait_for
 
 API_KEY = "sk-test-secret"
@@ -186,10 +187,11 @@ async def test_error_paths_have_the_right_status(tiny_model: Path, tmp_path: Pat
             assert r.status == 413 and "error" in await r.json()
 
 
-async def test_a_full_queue_answers_429_with_retry_after(tiny_model: Path, tmp_path: Path) -> None:
-    async with serve(tiny_model, tmp_path, max_concurrency=1, max_pending_requests=1) as s:
+async def test_a_full_queue_answers_429_with_retry_after(long_model: Path, tmp_path: Path) -> None:
+    async with serve(long_model, tmp_path, max_concurrency=1, max_pending_requests=1,
+                     kv_capacity_tokens=2 * LONG_GENERATION_TOKENS) as s:
         c = client(s.url)
-        long = dict(model="tiny", prompt="a", max_tokens=3000, extra_body={"ignore_eos": True})
+        long = dict(model="tiny", prompt="a", max_tokens=LONG_GENERATION_TOKENS, extra_body={"ignore_eos": True})
         first = asyncio.create_task(c.completions.create(**long))  # type: ignore[arg-type]
         await wait_for(lambda: s.service.engine.snapshot().stats.num_running == 1)
         second = asyncio.create_task(c.completions.create(**long))  # type: ignore[arg-type]
@@ -203,10 +205,11 @@ async def test_a_full_queue_answers_429_with_retry_after(tiny_model: Path, tmp_p
         await asyncio.gather(first, second, return_exceptions=True)
 
 
-async def test_a_client_disconnect_aborts_the_request_and_frees_its_blocks(tiny_model: Path,
+async def test_a_client_disconnect_aborts_the_request_and_frees_its_blocks(long_model: Path,
                                                                          tmp_path: Path) -> None:
-    async with serve(tiny_model, tmp_path) as s, aiohttp.ClientSession() as http:
-        body = {"model": "tiny", "prompt": "a b c d e f g h", "max_tokens": 3500, "stream": True,
+    async with serve(long_model, tmp_path, kv_capacity_tokens=2 * LONG_GENERATION_TOKENS) as s, \
+            aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "prompt": "a b c d e f g h", "max_tokens": LONG_GENERATION_TOKENS, "stream": True,
                 "ignore_eos": True}
         resp = await http.post(s.url + "/v1/completions", json=body,
                                headers={"Authorization": f"Bearer {API_KEY}"})
@@ -215,7 +218,7 @@ async def test_a_client_disconnect_aborts_the_request_and_frees_its_blocks(tiny_
         resp.close()  # the client goes away mid-stream
         await wait_for(lambda: s.service.requests.finished["abort"] == 1, timeout_s=5)
         await wait_for(lambda: s.service.engine.snapshot().stats.num_kv_blocks_used == 0, timeout_s=5)
-        assert s.service.requests.num_output_tokens < 3500
+        assert s.service.requests.num_output_tokens < LONG_GENERATION_TOKENS
 
 
 async def test_metrics_state_survives_a_restart_and_a_corrupt_file(tiny_model: Path, tmp_path: Path) -> None:

@@ -17,8 +17,11 @@ Modules (one noun each):
   rope.py             neox-style rotary embedding from a cos/sin cache, in place on q and k
   activation.py       SiLU-and-mul (SwiGLU's gate)
   cuda_graphs.py      batch-size buckets and static buffers for CUDA-graph decode
-  cpu_kernels.py    not Triton: a C++ decode attention over the paged cache for the CPU path, built on
-                      first use (torch.utils.cpp_extension), oracle TorchPagedAttention's torch decode
+  cpu_kernels.py      not Triton: the CPU path's compiled C++ (cpu_kernels.cpp, built on first use with
+                      torch.utils.cpp_extension): the whole decoder forward of a step in one call, and
+                      the decode attention, RMSNorm, q/k norm + RoPE and argmax on their own; oracles:
+                      the torch model path and TorchPagedAttention (test_compiled_decoder.py,
+                      test_cpu_kernels.py)
 
 Importing this package imports neither triton nor the kernels: only ``backend`` and ``reference`` are
 safe where triton is missing. The kernel modules import triton at module import time, so under the
