@@ -349,29 +349,58 @@ def _portable(exc: BaseException) -> BaseException:
 
 class _PipeWriter:
     """Sends objects down a pipe from its own thread, so a full pipe (a reader that is behind) never
-    blocks the caller: an engine step on the child's side, the event loop on the API side. ``put``
-    pickles at once; the write releases the GIL."""
+    blocks the caller: an engine step on the child's side, the event loop on the API side.
+
+    Whatever queued up while the pipe was busy goes in one write, consecutive steps merged into one
+    (their outputs in order, the last snapshot): a small model's child makes thousands of steps a second
+    (the tiny test model ~7,000 tokens/s on 2 cores), more messages than the API process unpickles, which
+    left its view of the engine seconds stale. A reader that keeps up still gets one message per step.
+    """
 
     def __init__(self, conn: Connection, name: str) -> None:
         self.conn = conn
-        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._write, name=name, daemon=True)
         self._thread.start()
 
     def put(self, obj: object) -> None:
-        self._queue.put(pickle.dumps(obj))
+        self._queue.put(obj)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what was put, then end the thread."""
-        self._queue.put(None)
+        self._queue.put(_CLOSE)
         self._thread.join(timeout_s)
 
     def _write(self) -> None:
-        while (data := self._queue.get()) is not None:
-            try:
-                self.conn.send_bytes(data)
-            except (OSError, ValueError):  # the other side is gone; its reader sees the EOF
-                return
+        while True:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for obj in _merge_steps(batch):
+                if obj is _CLOSE:
+                    return
+                try:
+                    self.conn.send_bytes(pickle.dumps(obj))
+                except (OSError, ValueError):  # the other side is gone; its reader sees the EOF
+                    return
+
+
+_CLOSE = object()  # _PipeWriter's end of the queue
+
+
+def _merge_steps(batch: list[object]) -> list[object]:
+    """``batch`` in order, each run of consecutive _Step messages as one."""
+    out: list[object] = []
+    for obj in batch:
+        last = out[-1] if out else None
+        if isinstance(obj, _Step) and isinstance(last, _Step):
+            out[-1] = _Step(last.outputs + obj.outputs, obj.snapshot, last.changed or obj.changed)
+        else:
+            out.append(obj)
+    return out
 
 
 def _child_main(config: EngineConfig, conn: Connection) -> None:

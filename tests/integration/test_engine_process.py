@@ -14,6 +14,7 @@ from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.errors import ModelLoadError, QueueFullError, SpeculativeDecodingError
 from services.engine.sampling_params import SamplingParams
 from services.engine.spec_decode import SpecConfig
+from tests.conftest import LONG_GENERATION_TOKENS
 
 
 def config(model: Path, **overrides: object) -> EngineConfig:
@@ -48,9 +49,10 @@ async def test_the_child_serves_the_same_greedy_tokens_as_the_threaded_engine(ti
     assert changes  # listeners heard about state changes from the child
 
 
-async def test_admission_errors_cross_the_process_boundary_typed(tiny_model: Path) -> None:
-    async with ProcessEngine(config(tiny_model, max_concurrency=1, max_pending_requests=1)) as engine:
-        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+async def test_admission_errors_cross_the_process_boundary_typed(long_model: Path) -> None:
+    async with ProcessEngine(config(long_model, max_concurrency=1, max_pending_requests=1,
+                                    kv_capacity_tokens=LONG_GENERATION_TOKENS + 64)) as engine:
+        params = SamplingParams(max_tokens=LONG_GENERATION_TOKENS, temperature=0.0, ignore_eos=True)
         first = await engine.add_request("a", [5, 6, 7], params)
         outputs = aiter(first)
         await anext(outputs)  # "a" runs: it holds the only lane
@@ -111,14 +113,16 @@ async def test_a_stream_interval_merges_outputs_without_changing_the_tokens(tiny
     prompt = [5, 6, 7, 8, 9]
 
     async def outputs(engine: ProcessEngine | AsyncEngine) -> list[tuple[int, ...]]:
-        stream = await engine.add_request("r", prompt, SamplingParams(max_tokens=60, temperature=0.0,
+        stream = await engine.add_request("r", prompt, SamplingParams(max_tokens=2000, temperature=0.0,
                                                                       ignore_eos=True))
         return [out.token_ids async for out in stream]
 
+    # 2,000 tokens: long enough that a reader without an interval is handed many outputs (it merges only
+    # what queued up while it was busy; the tiny model makes a token in ~0.2 ms).
     async with AsyncEngine(EngineCore(config(tiny_model))) as engine:
         each_step = await outputs(engine)
     # An interval far longer than the whole request: everything after the first text waits for the end.
-    async with ProcessEngine(config(tiny_model, stream_interval_ms=1000)) as engine:
+    async with ProcessEngine(config(tiny_model, stream_interval_ms=60_000)) as engine:
         held = await outputs(engine)
     assert [t for out in held for t in out] == [t for out in each_step for t in out]
     assert len(each_step) >= 30 and len(held) <= 3, (len(each_step), len(held))

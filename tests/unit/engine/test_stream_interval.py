@@ -75,3 +75,27 @@ def test_held_outputs_keep_their_logprobs_in_order() -> None:
     assert interval.release([replace(out("a", "y", (2,), 2), logprobs=(lp(2),))], 1.001) == []
     released = interval.release([replace(out("a", "z", (3,), 3, "length"), logprobs=(lp(3),))], 1.002)
     assert released[0].token_ids == (2, 3) and released[0].logprobs == (lp(2), lp(3))
+
+
+def test_steps_queued_behind_a_busy_pipe_go_as_one_message_in_order() -> None:
+    import multiprocessing
+    import pickle
+
+    from services.engine.async_engine import _Added, _merge_steps, _PipeWriter, _Step
+
+    snapshots = [object(), object(), object()]
+    batch = [_Step([out("a", "x", (1,), 1)], snapshots[0], False), _Step([out("b", "y", (2,), 1)], snapshots[1], True),
+             _Added("c", None), _Step([out("a", "z", (3,), 2)], snapshots[2], False)]
+    merged = _merge_steps(batch)  # type: ignore[arg-type]
+    assert merged[0] == _Step([out("a", "x", (1,), 1), out("b", "y", (2,), 1)], snapshots[1], True)
+    assert merged[1:] == batch[2:]  # an other message keeps its place between steps
+    # through a real pipe: whatever is sent arrives, in order, however it was batched
+    reader, writer_end = multiprocessing.Pipe(duplex=False)
+    writer = _PipeWriter(writer_end, "test-writer")
+    for i in range(200):
+        writer.put(_Step([out("a", str(i), (i,), i + 1)], None, False))  # type: ignore[arg-type]
+    writer.close()
+    received = []
+    while reader.poll():  # close() returned: everything is written
+        received += pickle.loads(reader.recv_bytes()).outputs
+    assert [o.text for o in received] == [str(i) for i in range(200)]
