@@ -78,6 +78,19 @@ inline void prefetch_rows(const float* base, const int64_t* sl, int64_t count, i
   }
 }
 
+// One head's n scores in place -> exp(score - max): *m the max, *s the sum of the exponentials.
+inline void exp_scores(float* sh, int64_t n, float* m, float* s) {
+  float mx = sh[0];
+  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sh[i]);
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    sh[i] = std::exp(sh[i] - mx);
+    sum += sh[i];
+  }
+  *m = mx;
+  *s = sum;
+}
+
 // Scores of positions sl[0..8) for NH query heads q[0..NH) (D floats each) against their KV head's keys
 // (at `off` in each row): 8 dot products per head, reduced together, scaled, stored to scores[g * n].
 // The widest vector the target has: 16 floats with AVX-512, else 8. Dot products and weighted sums run on
@@ -201,18 +214,7 @@ void attend_piece(const float* q, const int64_t* slots, int64_t l0, int64_t l1, 
     }
   }
   prefetch_rows(vp, sl, std::min(n, ahead), row);
-  for (int64_t h = 0; h < Hq; ++h) {
-    float* sh = scores + h * n;
-    float mx = sh[0];
-    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sh[i]);
-    float sum = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      sh[i] = std::exp(sh[i] - mx);
-      sum += sh[i];
-    }
-    m[h] = mx;
-    s[h] = sum;
-  }
+  for (int64_t h = 0; h < Hq; ++h) exp_scores(scores + h * n, n, m + h, s + h);
   std::fill(acc, acc + Hq * D, 0.f);
   for (int64_t i = 0; i < n; i += 16) {
     const int64_t count = std::min<int64_t>(16, n - i);
@@ -243,15 +245,7 @@ void attend_piece_any(const float* q, const int64_t* slots, int64_t l0, int64_t 
       for (int64_t d = 0; d < D; ++d) dot += qh[d] * kr[d];
       sh[i] = dot * scale;
     }
-    float mx = sh[0];
-    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sh[i]);
-    float sum = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      sh[i] = std::exp(sh[i] - mx);
-      sum += sh[i];
-    }
-    m[h] = mx;
-    s[h] = sum;
+    exp_scores(sh, n, m + h, s + h);
     float* ah = acc + h * D;
     std::fill(ah, ah + D, 0.f);
     for (int64_t i = 0; i < n; ++i) {
