@@ -1,11 +1,12 @@
 // The engine's compiled CPU kernels (loaded by cpu_kernels.py): float32 only.
 //
-// * paged_decode, rms_norm, qk_norm_rope: single ops the torch model path calls (model.py, attention.py).
-// * Decoder: a whole decoder forward (embedding .. final norm) over the paged KV cache in one call, so a
-//   step of a small model no longer pays Python and dispatcher costs per op (~40 ops per layer in the
-//   torch path). It computes what model.CausalLM.forward computes, op for op: the same oneDNN / MKL
-//   products (called through the dispatcher, the same kernels the Python path picks), torch's own SiLU
-//   and multiply, and the kernels below for the norms, RoPE, the cache write and attention.
+// * paged_decode, rms_norm, qk_norm_rope: single ops the torch model path calls (model.py, attention.py);
+//   argmax_rows: the sampler's greedy argmax.
+// * Decoder: a whole decoder forward (embedding .. final norm, and the LM head on the sampled rows) over
+//   the paged KV cache in one call, so a step of a small model no longer pays Python and dispatcher costs
+//   per op (~40 ops per layer in the torch path). It computes what model.CausalLM.forward computes, op
+//   for op: the same oneDNN / MKL products (called through the dispatcher, the same kernels the Python
+//   path picks), and the kernels below for the norms, RoPE, the cache write, SwiGLU and attention.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -5,14 +5,15 @@ A small C++ extension, compiled once per machine on first use.
 * ``Decoder``: one step of the decoder (embedding, every layer, the final norm) over the paged KV cache in
   one call. A tiny model's step in the torch path is ~40 Python-level op calls per layer, each a few
   microseconds of interpreter and dispatcher time around microseconds of work; here the products are the
-  same oneDNN / MKL calls ``model.linear`` makes (through the dispatcher, from C++), SiLU and its multiply
-  are torch's own ops, and the norms, RoPE, the cache write and attention are the kernels below.
-  Attention: every token of the step (a decode or a prompt-chunk row alike) reads its causal context
-  straight from its sequence's cache slots, with no gather and no padding.
+  same oneDNN / MKL calls ``model.linear`` makes (through the dispatcher, from C++), and the norms, RoPE,
+  the cache write, SwiGLU (torch's formula) and attention are the kernels in the same file. Attention:
+  every token of the step (a decode or a prompt-chunk row alike) reads its causal context straight from
+  its sequence's cache slots, with no gather and no padding, the work cut evenly across threads.
 * ``paged_decode``: the decode attention alone, for the torch path (``TorchPagedAttention``).
 * ``rms_norm`` and ``qk_norm_rope``: transformers' RMSNorm in one pass (torch's CPU ``F.rms_norm`` is ~6
   dispatches, ~8-14 us on a decode step's small rows; this is ~1 us), and an attention layer's per-head
   q/k norms and RoPE in one call instead of ~10.
+* ``argmax_rows``: the sampler's greedy argmax (torch 2.13's CPU argmax is ~4x slower on a step's logits).
 
 They are used for float32 models (with a float32, ``auto``, KV cache) on the CPU when a C++ compiler is at
 hand (g++, and ninja, a dependency, as ``torch.utils.cpp_extension`` needs); anything else, or
