@@ -40,7 +40,9 @@ from services.telemetry.probe import Member
 from services.telemetry.service import TelemetryConfig, TelemetryService
 from tests.integration.conftest import wait_for
 
-LONG_TOKENS = 3000  # a stream that outlives the test's assertions (cancelled at the end)
+# A stream that outlives the test's assertions (cancelled at the end): the engines run the 32k-context
+# tiny model, which makes thousands of tokens a second, so a 4k-context stream could end mid-test.
+LONG_TOKENS = 12_000
 
 
 @dataclass
@@ -161,7 +163,7 @@ def _engine(model: Path, member_id: str) -> EngineCore:
 
 
 @pytest.fixture
-async def pool(nats_server: EmbeddedNatsServer, tiny_model: Path, tmp_path: Path) -> AsyncIterator[Pool]:
+async def pool(nats_server: EmbeddedNatsServer, long_model: Path, tmp_path: Path) -> AsyncIterator[Pool]:
     async with contextlib.AsyncExitStack() as es:
         tasks: list[asyncio.Task[None]] = []
 
@@ -183,12 +185,12 @@ async def pool(nats_server: EmbeddedNatsServer, tiny_model: Path, tmp_path: Path
         await ensure_bus(gw_nc)
         engines: dict[str, Engine] = {}
         for wid in ("w1", "w2"):
-            core = _engine(tiny_model, wid)
+            core = _engine(long_model, wid)
             engine = await es.enter_async_context(AsyncEngine(core))
             nc = await client(f"engine-{wid}")
             worker = BusWorker(nc, engine, WorkerConfig(worker_id=wid, heartbeat_interval_s=0.1))
             engines[wid] = Engine(wid, core, engine, worker=worker, nc=nc)
-        http_core = _engine(tiny_model, "http")
+        http_core = _engine(long_model, "http")
         http_engine = await es.enter_async_context(AsyncEngine(http_core))
         service = EngineService(http_engine, UnavailableMeter("cpu", "test"), ServeConfig(port=0))
         http_url = await es.enter_async_context(http_site(service))
@@ -255,6 +257,9 @@ async def test_a_conversation_sharing_a_long_system_prompt_stays_on_the_engine_t
         with pool.only(member):
             reply = await pool.client.chat.completions.create(model="tiny", messages=messages,  # type: ignore[arg-type]
                                                               max_tokens=4)
+        # the follow-ups' decisions must see this request finished: a heartbeat taken while it ran says the
+        # member is busy, and the engine is fast enough now that the first turns end within one interval
+        await pool.fresh_heartbeat(member)
         conversations[member] = [*messages, {"role": "assistant", "content": reply.choices[0].message.content or ""}]
     hits = pool.gateway.metrics.affinity_hits
     served: dict[str, list[str]] = collections.defaultdict(list)
