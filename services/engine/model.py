@@ -346,10 +346,8 @@ class CausalLM(nn.Module):
         """
         if self.backend == "triton":
             return self._forward_triton(input_ids, positions, meta, kv_cache)
-        if not kv_cache.is_fp8 and (decoder := self._compiled_decoder()) is not None:
-            return self._compiled_forward(decoder, input_ids.tolist(), list(meta.query_start_loc_list),
-                                          list(meta.seq_lens_list), meta.block_tables.tolist(), meta.block_size,
-                                          kv_cache, [])[1]
+        if (decoder := self._decoder_for(kv_cache)) is not None:
+            return self._compiled_forward_meta(decoder, input_ids, meta, kv_cache, [])[1]
         x = F.embedding(input_ids, self.embed_tokens)
         cos, signed_sin = rope_tables(positions, self.inv_freq, x.dtype)
         for layer in self.layers:
@@ -360,10 +358,8 @@ class CausalLM(nn.Module):
                        kv_cache: KVCache, logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` and :meth:`compute_logits` of the hidden rows ``logit_rows`` ``[R]``:
         ``(logits [R, vocab] float32, hidden [T, hidden_size])``."""
-        if self.backend != "triton" and not kv_cache.is_fp8 and (decoder := self._compiled_decoder()) is not None:
-            return self._compiled_forward(decoder, input_ids.tolist(), list(meta.query_start_loc_list),
-                                          list(meta.seq_lens_list), meta.block_tables.tolist(), meta.block_size,
-                                          kv_cache, logit_rows.tolist())
+        if (decoder := self._decoder_for(kv_cache)) is not None:
+            return self._compiled_forward_meta(decoder, input_ids, meta, kv_cache, logit_rows.tolist())
         hidden = self(input_ids, positions, meta, kv_cache)
         if not logit_rows.numel():
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=hidden.device), hidden
@@ -376,10 +372,20 @@ class CausalLM(nn.Module):
         [B] as in AttentionMetadata, each sequence's block table), when this model runs on the compiled
         decoder: no metadata tensors are built. None when it does not (build the metadata and call
         :meth:`forward_logits`)."""
-        if self.backend == "triton" or kv_cache.is_fp8 or (decoder := self._compiled_decoder()) is None:
+        if (decoder := self._decoder_for(kv_cache)) is None:
             return None
         return self._compiled_forward(decoder, input_ids, query_start_loc, seq_lens, block_tables, block_size,
                                       kv_cache, logit_rows)
+
+    def _decoder_for(self, kv_cache: KVCache) -> Any | None:
+        """The compiled decoder when this model runs on it over ``kv_cache`` (never over an fp8 cache)."""
+        return None if kv_cache.is_fp8 else self._compiled_decoder()
+
+    def _compiled_forward_meta(self, decoder: Any, input_ids: torch.Tensor, meta: AttentionMetadata,
+                               kv_cache: KVCache, logit_rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_compiled_forward` of a step given as metadata tensors (the module API's callers)."""
+        return self._compiled_forward(decoder, input_ids.tolist(), meta.query_start_loc_list, meta.seq_lens_list,
+                                      meta.block_tables.tolist(), meta.block_size, kv_cache, logit_rows)
 
     def _compiled_forward(self, decoder: Any, input_ids: Sequence[int], query_start_loc: Sequence[int],
                           seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int,

@@ -27,8 +27,6 @@ from services.gateway.pools import MemberRef, ResolvedPool
 
 log = logging.getLogger(__name__)
 
-CHARS_PER_TOKEN = routing.CHARS_PER_TOKEN
-
 
 @dataclass(slots=True)
 class Decision:
@@ -134,7 +132,7 @@ class Router:
         keys = prefix_hashes(messages) if messages and policy.cache_affinity else ()
         chars = sum(len(m.content) for m in messages) if messages else len(parsed.generate.prompt or "")
         request = routing.RouteRequest(session_key=session_key, is_session_header=is_session_header,
-                                       prefix_keys=keys, prompt_tokens=chars // CHARS_PER_TOKEN)
+                                       prefix_keys=keys, prompt_tokens=chars // routing.CHARS_PER_TOKEN)
         self.weights = weights
         pick = routing.pick(policy, weights, self._states(resolved, fleet, now_s), request, self.affinity,
                             self.pins, now_s, rng)

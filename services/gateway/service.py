@@ -609,7 +609,7 @@ class GatewayService:
             raise HTTPError(400, f"the prompt is longer than any member of '{parsed.model}' accepts",
                             code="context_length_exceeded", param="messages")
         refs = {r.member_id: r for r in resolved.members}
-        prompt_chars = decision.request.prompt_tokens * routing_adapter.CHARS_PER_TOKEN
+        prompt_chars = decision.request.prompt_tokens * routing.CHARS_PER_TOKEN
         last_error: HTTPError | None = None
         for attempt, member_id in enumerate(decision.ranked):
             ref = refs[member_id]

@@ -317,6 +317,7 @@ def sglang_reading(metrics: Exposition, models: ModelsInfo) -> Reading:
     running = metrics.total("sglang:num_running_reqs")
     if running is None:
         raise MalformedBody("/metrics", "no sglang:num_running_reqs")
+    capacity_tokens = _count(metrics.total("sglang:max_total_num_tokens")) or None
     return Reading(
         engine_kind="sglang",
         model_id=_model_label(metrics, "sglang:num_running_reqs") or models.model_id,
@@ -326,8 +327,8 @@ def sglang_reading(metrics: Exposition, models: ModelsInfo) -> Reading:
         max_context=models.max_context,
         kv_usage=_ratio(metrics.mean("sglang:token_usage")),
         kv_blocks_used=_count(metrics.total("sglang:num_used_tokens")),
-        kv_blocks_total=_count(metrics.total("sglang:max_total_num_tokens")) or None,
-        kv_capacity_tokens=_count(metrics.total("sglang:max_total_num_tokens")) or None,  # its blocks are tokens
+        kv_blocks_total=capacity_tokens,
+        kv_capacity_tokens=capacity_tokens,  # its blocks are tokens
         decode_tok_per_s=metrics.total("sglang:gen_throughput"),
     )
 

@@ -386,6 +386,13 @@ void norm_rope_rows(const float* xp, int64_t st, int64_t sh, int64_t T, int64_t 
 
 int64_t norm_grain(int64_t H) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(H, 1)); }
 
+// N rows of H floats, in parallel.
+void rms_norm_rows(const float* xp, const float* wp, float eps, int64_t N, int64_t H, float* op) {
+  at::parallel_for(0, N, norm_grain(H), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * H, wp, eps, H, op + r * H);
+  });
+}
+
 // ---------------------------------------------------------------------------------------------- linear
 
 // oneDNN's fp32 product (mkldnn::_linear_pointwise, what model.linear calls) has no at:: function: it is
@@ -456,10 +463,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float fe = static_cast<float>(eps);
-  at::parallel_for(0, N, norm_grain(H), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * H, wp, fe, H, op + r * H);
-  });
+  rms_norm_rows(xp, wp, static_cast<float>(eps), N, H, op);
   return out;
 }
 
@@ -609,7 +613,8 @@ class Decoder {
     std::vector<int64_t> ctx_offset(B + 1, 0);
     for (int64_t i = 0; i < B; ++i) ctx_offset[i + 1] = ctx_offset[i] + lens[i];
     std::vector<int64_t> ctx_slots(ctx_offset[B]);
-    std::vector<int64_t> token_seq(T), token_pos(T);
+    std::vector<int64_t> token_pos(T), token_len(T);
+    std::vector<const int64_t*> token_slots(T);  // where each token's context slots start
     for (int64_t i = 0; i < B; ++i) {
       const int64_t q_len = qsl[i + 1] - qsl[i];
       TORCH_CHECK(q_len >= 1 && q_len <= lens[i], "Decoder.forward: a sequence with no new tokens");
@@ -625,16 +630,10 @@ class Decoder {
       }
       for (int64_t t = qsl[i]; t < qsl[i + 1]; ++t) {
         TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "Decoder.forward: a token id outside the vocabulary");
-        token_seq[t] = i;
         token_pos[t] = lens[i] - (qsl[i + 1] - t);
+        token_len[t] = token_pos[t] + 1;
+        token_slots[t] = out;
       }
-    }
-
-    std::vector<const int64_t*> token_slots(T);
-    std::vector<int64_t> token_len(T);
-    for (int64_t t = 0; t < T; ++t) {
-      token_slots[t] = ctx_slots.data() + ctx_offset[token_seq[t]];
-      token_len[t] = token_pos[t] + 1;
     }
     const float scale = static_cast<float>(std::pow(static_cast<double>(D_), -0.5));  // Python's D ** -0.5
     auto cc = cos.contiguous();
@@ -651,7 +650,7 @@ class Decoder {
     at::Tensor h = at::empty_like(x);
     float* xp = x.data_ptr<float>();
     float* hp = h.data_ptr<float>();
-    rms_rows(xp, layers_[0].input_norm, T, Hd, hp);
+    rms_norm_rows(xp, layers_[0].input_norm.data_ptr<float>(), eps_, T, Hd, hp);
     at::Tensor q = at::empty({T, Hq_, D_}, x.options());
     at::Tensor k = at::empty({T, Hkv_, D_}, x.options());
     at::Tensor o = at::empty({T, Hq_ * D_}, x.options());
@@ -669,7 +668,7 @@ class Decoder {
       float* vcp = value_caches[li].data_ptr<float>();
       const float* kp = k.data_ptr<float>();
       for (int64_t t = 0; t < T; ++t) {
-        const int64_t slot = ctx_slots[ctx_offset[token_seq[t]] + token_pos[t]];
+        const int64_t slot = token_slots[t][token_pos[t]];
         std::memcpy(kcp + slot * row_kv, kp + t * row_kv, row_kv * sizeof(float));
         std::memcpy(vcp + slot * row_kv, qkvp + t * W + (Hq_ + Hkv_) * D_, row_kv * sizeof(float));
       }
@@ -708,13 +707,6 @@ class Decoder {
       }
     }
     return at::linear(x, l.weight, l.bias);
-  }
-
-  void rms_rows(const float* xp, const at::Tensor& w, int64_t N, int64_t H, float* op) const {
-    const float* wp = w.data_ptr<float>();
-    at::parallel_for(0, N, norm_grain(H), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * H, wp, eps_, H, op + r * H);
-    });
   }
 
   // SwiGLU's silu(gate) * up for rows of gu = [gate | up] (each I wide): torch's formula, x / (1 + exp(-x)),
