@@ -19,6 +19,9 @@ _decoders: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {
         m.SlotHeartbeat,
         m.EnergySample,
         m.UsageRecord,
+        m.LimitCounters,
+        m.KeyEnergyQuery,
+        m.KeyEnergyReply,
     )
 }
 

@@ -15,10 +15,11 @@ USAGE_SUBJECTS = f"{PREFIX}.usage.>"
 ENERGY_SUBJECTS = f"{PREFIX}.energy.>"
 HEARTBEAT_ALL = f"{PREFIX}.hb.*"
 ACCOUNTING_SQL = f"{PREFIX}.accounting.sql"
+ACCOUNTING_KEY_ENERGY = f"{PREFIX}.accounting.key_energy"  # KeyEnergyQuery -> KeyEnergyReply (kWh limits)
 ACCOUNTING_COSTS = f"{PREFIX}.accounting.costs"  # request/reply: the costs JSON for the admin pages
 # request/reply to the gateways: {"key_sha256": hex} -> {"ok": bool, "role": "admin"|"user", "key_id", "user"}
 AUTH_CHECK = f"{PREFIX}.auth.check"
-QUOTA_ALL = f"{PREFIX}.quota.*"  # each gateway's per-key token counts today (services/gateway/auth.py)
+QUOTA_ALL = f"{PREFIX}.quota.*"  # each gateway's LimitCounters (services/gateway/limits.py)
 CONFIG_CHANGED = f"{PREFIX}.config.changed"  # a gateway saved the pools file; replicas reload it
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")

@@ -186,6 +186,25 @@ class RequestStream:
         finally:
             self.close()
 
+    async def abort_and_wait(self, timeout_s: float) -> RequestOutput | None:
+        """Abort the request and wait (at most ``timeout_s``) for the engine's last output for it: its
+        ``num_prompt_tokens`` / ``num_output_tokens`` are what the request used, so a cut-short request
+        is billed for the work done. None when it had finished already or no answer came in time."""
+        if self.finished:
+            return None
+        self.engine.abort(self.request_id)
+        last: RequestOutput | None = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                while last is None or not last.finished:
+                    last = await self.queue.get()
+        except TimeoutError:
+            last = None
+        finally:
+            self.finished = True
+            self.engine._streams.pop(self.request_id, None)
+        return last
+
     def close(self) -> None:
         """Abort the request unless it finished; idempotent."""
         if not self.finished:

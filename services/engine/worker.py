@@ -3,13 +3,16 @@
 Reply protocol on the request's inbox (all TokenChunks, ``index`` counting from 0):
 chunk 0 is the acceptance (empty) or a refusal (``error`` set: 400 bad request, 429 queue full with
 ``retry_after_s``); then one chunk per step with new text; the final chunk carries ``finish_reason``,
-``usage`` and ``timings``.
+``usage`` and ``timings``. The acceptance carries ``usage`` with the prompt's token count; a cancelled
+request (``llm.v1.cancel.<worker_id>``) ends with a final ``abort`` chunk whose ``usage`` is what the
+engine produced up to the cut, so the gateway bills the work done.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -48,6 +51,8 @@ from services.engine.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 MIN_HEARTBEAT_SPACING_S = 0.05  # on-change heartbeats are rate-limited to 20 Hz
+# How long a cancelled request waits for the engine's count of what it used (one step, normally ms).
+ABORT_REPORT_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -202,15 +207,28 @@ class BusWorker:
             await self._reply(inbox, TokenChunk(request_id=req.request_id, index=0, finish_reason="error",
                                                 error=error_info(exc), worker_id=self.config.worker_id))
             return
-        await self._reply(inbox, TokenChunk(request_id=req.request_id, index=0, worker_id=self.config.worker_id))
+        # The acceptance carries the prompt's token count: a gateway that loses this engine mid-answer still
+        # bills the prompt as admitted (docs/accounting.md, "How usage is counted").
+        await self._reply(inbox, TokenChunk(request_id=req.request_id, index=0, worker_id=self.config.worker_id,
+                                            usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)))
         index = 0
         try:
             async for output in stream:
                 index += 1
                 await self._reply(inbox, output_chunk(self.engine.core.tokenizer, req.request_id, index, output,
                                                       self.config.worker_id))
+        except asyncio.CancelledError:
+            # Cancelled (the gateway's cancel: its client went away; or shutdown): abort in the engine and tell
+            # the gateway what the request used up to the cut, in a final "abort" chunk it waits for.
+            with contextlib.suppress(Exception):
+                final = await asyncio.shield(stream.abort_and_wait(ABORT_REPORT_TIMEOUT_S))
+                if final is not None:
+                    final = dataclasses.replace(final, finish_reason="abort")
+                    await self._reply(inbox, output_chunk(self.engine.core.tokenizer, req.request_id, index + 1,
+                                                          final, self.config.worker_id))
+            raise
         finally:
-            stream.close()  # cancelled (client gone, shutdown): abort in the engine, free its blocks
+            stream.close()  # free its blocks (idempotent after an abort)
 
 
 def prepare_request(core: PromptEncoder, req: GenerateRequest) -> tuple[list[int], SamplingParams]:

@@ -98,6 +98,29 @@ class BusStream:
             chunk = self._accept(await self._next())
             yield chunk
 
+    async def rest(self, timeout_s: float) -> AsyncIterator[TokenChunk]:
+        """After a cancel: what the worker still sends, up to its final chunk (our engine ends a cancelled
+        request with an ``abort`` chunk carrying its count of the work done) or ``timeout_s``, whichever is
+        first. Order is not checked here: a lost chunk cannot mislead a count the final chunk restates."""
+        for chunk in self._read:
+            yield chunk
+            if chunk.is_final:
+                return
+        self._read = []
+        deadline = time.monotonic() + timeout_s
+        while (wait_s := deadline - time.monotonic()) > 0:
+            try:
+                msg = await self.sub.next_msg(timeout=wait_s)
+            except (NatsTimeout, TimeoutError):
+                return
+            try:
+                chunk = decode(msg.data, TokenChunk)
+            except ProtoDecodeError:
+                continue
+            yield chunk
+            if chunk.is_final:
+                return
+
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self.sub.unsubscribe()

@@ -27,9 +27,11 @@ from services.common.http import HTTPError, error_body
 from services.common.pool_config import MemberConfig
 from services.common.runtime import raise_if_cancelling
 from services.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse, UpstreamTimeout
+from services.gateway.usage_meter import UsageMeter
 
 _json = msgspec.json.Encoder()
 _MAX_HELD_LINE = 1 << 20  # bytes of an unfinished line held back while waiting for its end
+_MAX_TOKENS = 2**31 - 1
 _RETRYABLE = frozenset({408, 500, 502, 503, 504})
 ENDPOINT_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions",
                   "embeddings": "/v1/embeddings"}
@@ -52,9 +54,8 @@ class MemberUnavailable(Exception):
 
 @dataclass
 class UpstreamResult:
-    """What the gateway needs for its usage record."""
+    """What the gateway needs for its usage record (the tokens are in the caller's :class:`UsageMeter`)."""
 
-    usage: Usage | None = None
     finish_reason: str | None = None
     ttft_ms: float | None = None
     http_status: int = 200
@@ -66,11 +67,37 @@ def _usage(obj: Any) -> Usage | None:
         return None
     details = obj.get("prompt_tokens_details") or {}
     try:
-        return Usage(prompt_tokens=int(obj.get("prompt_tokens") or 0),
-                     completion_tokens=int(obj.get("completion_tokens") or 0),
-                     cached_tokens=int((details or {}).get("cached_tokens") or 0))
-    except (TypeError, ValueError):
+        # bounded: a member's garbage must not make a record the ledger refuses (token counts < 2^31)
+        def count(value: Any) -> int:
+            return min(max(int(value or 0), 0), _MAX_TOKENS)
+        return Usage(prompt_tokens=count(obj.get("prompt_tokens")),
+                     completion_tokens=count(obj.get("completion_tokens")),
+                     cached_tokens=count((details if isinstance(details, dict) else {}).get("cached_tokens")))
+    except (TypeError, ValueError, OverflowError):
         return None
+
+
+def _event_tokens(choice: dict[str, Any]) -> int:
+    """Output tokens one SSE event carries, as the gateway can tell without the member's tokenizer: its
+    logprobs entries when it has them (exact), else one for an event with text (exact for llama.cpp and
+    for vLLM at its default stream interval; an engine that merges several tokens into one event is
+    undercounted, which is why the member's own usage always wins)."""
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):
+        content = logprobs.get("content")
+        if isinstance(content, list) and content:
+            return len(content)
+        tokens = logprobs.get("tokens")
+        if isinstance(tokens, list) and tokens:
+            return len(tokens)
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    if text:
+        return 1
+    if isinstance(delta, dict) and (delta.get("reasoning_content") or delta.get("tool_calls")
+                                    or delta.get("reasoning")):
+        return 1
+    return 0
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -132,33 +159,56 @@ class HttpBackend:
             raise error
         return resp
 
+    @staticmethod
+    async def _read_whole(resp: UpstreamResponse, meter: UsageMeter, result: UpstreamResult) -> bytes:
+        """A non-streamed answer, read whole; its usage goes to ``meter`` as soon as it is in."""
+        try:
+            raw = await resp.read()
+        finally:
+            resp.release()
+        try:
+            body = msgspec.json.decode(raw)
+            usage = _usage(body.get("usage"))
+            if usage is not None:
+                meter.finished(usage)
+            choices = body.get("choices") or [{}]
+            result.finish_reason = choices[0].get("finish_reason")
+        except (msgspec.DecodeError, AttributeError, IndexError, RecursionError, TypeError):
+            pass
+        return raw
+
     def _timed_out(self) -> HTTPError:
         return HTTPError(504, f"the request ran past the gateway's request timeout ({self.request_timeout_s:g} s)",
                          code="request_timeout")
 
     async def relay(self, request: web.Request, resp: UpstreamResponse, stream: bool, client_wants_usage: bool,
-                    request_id: str, on_first_byte: Callable[[], None], member_id: str = ""
+                    request_id: str, on_first_byte: Callable[[], None], meter: UsageMeter, member_id: str = "",
+                    on_abandoned: Callable[[asyncio.Task[Any]], None] | None = None,
                     ) -> tuple[web.StreamResponse, UpstreamResult]:
+        """Pass the member's answer on, feeding ``meter`` as it goes (see usage_meter.py for the rules).
+
+        A client that leaves while a non-streamed answer is being made does not stop the member (nothing
+        tells it to): the read goes on in a task handed to ``on_abandoned``, which bills the usage the
+        member reports when it finishes (or what is known when it fails)."""
         result = UpstreamResult(http_status=resp.status)
+        meter.accepted()
         started = time.monotonic()
         if not stream:  # the connection's own deadline bounds the read (no task timer needed)
+            reading = asyncio.ensure_future(self._read_whole(resp, meter, result))
             try:
-                raw = await resp.read()
+                raw = await asyncio.shield(reading)
+            except asyncio.CancelledError:
+                if not reading.done() and on_abandoned is not None:
+                    on_abandoned(reading)
+                else:
+                    reading.cancel()
+                raise
             except UpstreamTimeout:
                 raise self._timed_out() from None
             except UpstreamError as exc:  # nothing reached the client: the next member may answer
                 raise MemberUnavailable(member_id, f"the answer broke off: {exc}") from None
-            finally:
-                resp.release()
             on_first_byte()
             result.ttft_ms = (time.monotonic() - started) * 1000.0
-            try:
-                body = msgspec.json.decode(raw)
-                result.usage = _usage(body.get("usage"))
-                choices = body.get("choices") or [{}]
-                result.finish_reason = choices[0].get("finish_reason")
-            except (msgspec.DecodeError, AttributeError, IndexError, RecursionError):
-                pass
             return web.Response(body=raw, status=resp.status, content_type="application/json",
                                 headers={"X-Request-Id": request_id}), result
         out: web.StreamResponse | None = None
@@ -187,15 +237,23 @@ class HttpBackend:
                             except msgspec.DecodeError:
                                 event = None
                             if isinstance(event, dict):
-                                if event.get("usage"):
-                                    result.usage = _usage(event["usage"])
                                 choices = event.get("choices")
-                                if choices and choices[0].get("finish_reason"):
-                                    result.finish_reason = choices[0]["finish_reason"]
-                                has_text = choices and (choices[0].get("delta", {}).get("content")
-                                                        or choices[0].get("text"))
-                                if has_text and result.ttft_ms is None:
-                                    result.ttft_ms = (time.monotonic() - started) * 1000.0
+                                usage = _usage(event.get("usage")) if event.get("usage") else None
+                                if usage is not None:
+                                    # A usage chunk with no choices (OpenAI, vLLM, SGLang) or on the finish
+                                    # chunk (older llama.cpp) ends the answer: what the member billed. Usage
+                                    # on a chunk with text is a running count (vLLM continuous_usage_stats).
+                                    ends = not choices or (isinstance(choices, list) and isinstance(choices[0], dict)
+                                                           and choices[0].get("finish_reason"))
+                                    meter.finished(usage) if ends else meter.saw_usage(usage)
+                                if choices and isinstance(choices, list) and isinstance(choices[0], dict):
+                                    if choices[0].get("finish_reason"):
+                                        result.finish_reason = choices[0]["finish_reason"]
+                                    tokens = _event_tokens(choices[0])
+                                    if tokens:
+                                        meter.saw_tokens(tokens)
+                                        if result.ttft_ms is None:
+                                            result.ttft_ms = (time.monotonic() - started) * 1000.0
                                 if not choices and event.get("usage") and not client_wants_usage:
                                     skip_blank = True  # the usage chunk we injected: not the client's business
                                     continue

@@ -26,7 +26,7 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from proto import ProtoDecodeError, SlotHeartbeat, TokenChunk, Usage, UsageRecord, decode, encode, subjects
+from proto import ProtoDecodeError, SlotHeartbeat, TokenChunk, UsageRecord, decode, encode, subjects
 from services.common import openai_api, openai_stream, pool_config
 from services.common.http import HTTPError, body_deadline_middleware, error_middleware, read_json_object, serving
 from services.common.prom import E2E_BUCKETS_S, Histogram, PromText
@@ -47,6 +47,7 @@ from services.gateway.identity import IdentityStore
 from services.gateway.identity_sync import IdentitySync
 from services.gateway.openapi import document as openapi_document
 from services.gateway.pages import Pages
+from services.gateway.usage_meter import UsageMeter
 from services.gateway.usage_spool import UsageSpool
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ USAGE_BATCH = 256  # usage records sent before waiting for their acks
 NEGATIVE_AUTH_DELAY_S = 0.25
 # How often each gateway tells the others its per-key token counts (a quota may overrun by this much traffic).
 QUOTA_SHARE_S = 2.0
+# After a cancel, how long the gateway waits for the engine's count of what the request used.
+ABORT_REPORT_WAIT_S = 3.0
 _json = msgspec.json.Encoder()
 
 
@@ -90,10 +93,14 @@ class _Outcome:
     http_status: int = 200
     finish_reason: str | None = None
     error_code: str | None = None
-    usage: Usage | None = None
+    meter: UsageMeter = field(default_factory=UsageMeter)
     ttft_ms: float | None = None
     routing_reason: str = ""
     pool: str = ""
+    limit_kind: str | None = None
+    # the answer is still being accounted after the handler ended (an abort report, an abandoned read):
+    # the usage record is written when this finishes
+    settling: asyncio.Future[Any] | None = None
 
 
 @dataclass
@@ -140,6 +147,7 @@ class GatewayService:
         self._request_count = 0
         self.usage_published = 0
         self._config_mtime: float | None = None
+        self._settling: set[asyncio.Future[Any]] = set()  # answers still being accounted (see _Outcome)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -173,6 +181,7 @@ class GatewayService:
                 for sub in subs:
                     with contextlib.suppress(Exception):
                         await sub.unsubscribe()
+                await self._wait_settling(timeout_s=ABORT_REPORT_WAIT_S + 1.0)
                 await self._flush_usage(timeout_s=5.0)
                 self.router.save(time.time())
                 self.auth.save_usage()
@@ -345,7 +354,7 @@ class GatewayService:
     def _record_usage(self, parsed: openai_api.ParsedRequest, request_id: str, api_key_id: str | None,
                       outcome: _Outcome, started_s: float, wall_s: float) -> None:
         self._seq += 1
-        usage = outcome.usage
+        usage, source = outcome.meter.result()
         latency_s = time.monotonic() - started_s
         record = UsageRecord(
             gateway_id=self.config.gateway_id, session_id=self.session_id, seq=self._seq, ts_s=wall_s,
@@ -354,10 +363,10 @@ class GatewayService:
             stream=parsed.stream, status=outcome.status,  # type: ignore[arg-type]
             http_status=outcome.http_status, finish_reason=outcome.finish_reason,
             error_code=outcome.error_code,
-            prompt_tokens=usage.prompt_tokens if usage else 0,
-            cached_tokens=usage.cached_tokens if usage else 0,
-            output_tokens=usage.completion_tokens if usage else 0,
+            prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+            output_tokens=usage.completion_tokens,
             ttft_ms=outcome.ttft_ms, latency_ms=latency_s * 1000.0, routing_reason=outcome.routing_reason,
+            usage_source=source, limit_kind=outcome.limit_kind,
         )
         self.metrics.observe(outcome, latency_s)
         try:
@@ -418,6 +427,12 @@ class GatewayService:
             except Exception as exc:
                 raise_if_cancelling()
                 log.warning("spooled usage not delivered yet: %s", exc)
+
+    async def _wait_settling(self, timeout_s: float) -> None:
+        """Let answers still being accounted write their records before the usage queue is flushed."""
+        if self._settling:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait(list(self._settling), timeout=timeout_s)
 
     async def _flush_usage(self, timeout_s: float) -> None:
         try:
@@ -592,11 +607,21 @@ class GatewayService:
             outcome.status, outcome.http_status, outcome.error_code = "error", err.status, err.code
             raise
         except (asyncio.CancelledError, ConnectionResetError):
-            outcome.status, outcome.http_status, outcome.finish_reason = "aborted", 499, "abort"
+            # The client went away. If the member's final usage was in, the answer was complete (the SDK
+            # closed its socket right after [DONE], before our last write landed): that is not an abort.
+            if not (outcome.meter.is_final and outcome.status == "ok"):
+                outcome.status, outcome.http_status, outcome.finish_reason = "aborted", 499, "abort"
             raise
         finally:
-            self._record_usage(parsed, request_id, api_key_id, outcome, started, wall)
-            self.auth.finished(key, outcome.usage.total_tokens if outcome.usage else 0, time.time())
+            def settle() -> None:
+                self._record_usage(parsed, request_id, api_key_id, outcome, started, wall)
+                usage, _ = outcome.meter.result()
+                self.auth.finished(key, usage.total_tokens, time.time())
+            if outcome.settling is not None and not outcome.settling.done():
+                self._settling.add(outcome.settling)
+                outcome.settling.add_done_callback(lambda f: (self._settling.discard(f), settle()))
+            else:
+                settle()
 
     async def _forward(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
                        resolved: pools.ResolvedPool, request_id: str, api_key_id: str | None,
@@ -609,6 +634,7 @@ class GatewayService:
             raise HTTPError(400, f"the prompt is longer than any member of '{parsed.model}' accepts",
                             code="context_length_exceeded", param="messages")
         refs = {r.member_id: r for r in resolved.members}
+        outcome.meter.prompt_tokens_estimate = decision.request.prompt_tokens
         prompt_chars = decision.request.prompt_tokens * routing.CHARS_PER_TOKEN
         last_error: HTTPError | None = None
         for attempt, member_id in enumerate(decision.ranked):
@@ -633,6 +659,8 @@ class GatewayService:
                     response = await self._via_http(request, body, parsed, ref, request_id, outcome, first_byte)
             except (bus_backend.WorkerUnavailable, MemberUnavailable) as exc:
                 self.fleet.unbook(member_id)
+                if outcome.meter.output_tokens_seen == 0 and not outcome.meter.is_final:
+                    outcome.meter = UsageMeter(prompt_tokens_estimate=outcome.meter.prompt_tokens_estimate)
                 error = getattr(exc, "error", None)
                 bus_down = getattr(exc, "is_bus_down", False)
                 if error is not None and error.status < 500:
@@ -661,7 +689,9 @@ class GatewayService:
 
     def _on_final(self, outcome: _Outcome) -> Callable[[TokenChunk, float | None], None]:
         def on_final(chunk: TokenChunk, ttft_ms: float | None) -> None:
-            outcome.finish_reason, outcome.usage, outcome.ttft_ms = chunk.finish_reason, chunk.usage, ttft_ms
+            outcome.finish_reason, outcome.ttft_ms = chunk.finish_reason, ttft_ms
+            if chunk.usage is not None:
+                outcome.meter.finished(chunk.usage, "engine" if chunk.finish_reason == "abort" else "member")
             if chunk.error is not None:
                 outcome.status, outcome.http_status, outcome.error_code = "error", chunk.error.status, chunk.error.code
             elif chunk.finish_reason == "abort":
@@ -681,6 +711,11 @@ class GatewayService:
         deadline_s = time.monotonic() + self.file_config.limits.request_timeout_s
         stream = await bus_backend.start(self.nc, ref.member_id, generate, self.first_byte_timeout_s,
                                          self.config.chunk_timeout_s, self._liveness(ref.member_id), deadline_s)
+        open_stream: bus_backend.BusStream | None = stream
+        meter = outcome.meter
+        first = stream.first
+        meter.accepted(first.usage.prompt_tokens if first.usage else None,
+                       first.usage.cached_tokens if first.usage else 0)
         try:
             try:
                 await stream.prime(ref.member_id)  # a worker lost before its first token: fail over
@@ -690,11 +725,28 @@ class GatewayService:
             except bus_backend.WorkerUnavailable:
                 await bus_backend.cancel(self.nc, ref.member_id, request_id)
                 raise
-            return await openai_stream.respond(request, parsed, request_id, _notify_first_text(stream.chunks(),
-                                               first_byte), self._on_final(outcome), self._on_error(outcome))
+            return await openai_stream.respond(request, parsed, request_id, _metered(stream.chunks(), first_byte,
+                                               meter), self._on_final(outcome), self._on_error(outcome))
         except (asyncio.CancelledError, ConnectionResetError):
             await bus_backend.cancel(self.nc, ref.member_id, request_id)  # the client went away
+            if not meter.is_final:  # the engine answers the cancel with its count: bill that, in the background
+                outcome.settling = asyncio.ensure_future(self._abort_report(stream, meter))
+                open_stream = None
             raise
+        finally:
+            if open_stream is not None:
+                await open_stream.close()
+
+    @staticmethod
+    async def _abort_report(stream: bus_backend.BusStream, meter: UsageMeter) -> None:
+        """Read a cancelled request's last chunks: the engine's final ``abort`` chunk says what it used."""
+        try:
+            async for chunk in stream.rest(ABORT_REPORT_WAIT_S):
+                meter.saw_tokens(len(chunk.token_ids))
+                if chunk.is_final and chunk.usage is not None:
+                    meter.finished(chunk.usage, "engine")
+        except Exception as exc:  # the report is a bonus: what was counted stands
+            log.debug("abort report not read: %s", exc)
         finally:
             await stream.close()
 
@@ -715,9 +767,14 @@ class GatewayService:
                         first_byte: Callable[[], None]) -> web.StreamResponse:
         assert ref.config is not None
         resp = await self.http.open(ref.config, parsed.endpoint, body, parsed.stream, {"X-Request-Id": request_id})
+
+        def abandoned(reading: asyncio.Task[Any]) -> None:
+            # the member goes on making the answer the client left: bill what it reports when done
+            outcome.settling = asyncio.ensure_future(_quietly(reading))
         response, result = await self.http.relay(request, resp, parsed.stream, parsed.include_usage, request_id,
-                                                 on_first_byte=first_byte, member_id=ref.member_id)
-        outcome.usage, outcome.finish_reason, outcome.ttft_ms = result.usage, result.finish_reason, result.ttft_ms
+                                                 on_first_byte=first_byte, meter=outcome.meter,
+                                                 member_id=ref.member_id, on_abandoned=abandoned)
+        outcome.finish_reason, outcome.ttft_ms = result.finish_reason, result.ttft_ms
         if result.error is not None:
             self._on_error(outcome)(result.error)
         return response
@@ -735,12 +792,21 @@ class _Once:
             fn()
 
 
-async def _notify_first_text(chunks: AsyncIterator[TokenChunk], first: Callable[[], None]
-                             ) -> AsyncIterator[TokenChunk]:
+async def _metered(chunks: AsyncIterator[TokenChunk], first: Callable[[], None], meter: UsageMeter
+                  ) -> AsyncIterator[TokenChunk]:
+    """The chunks as they come, counting their tokens (``meter``) and telling ``first`` of the first text."""
     async for chunk in chunks:
         if chunk.text or chunk.is_final:
             first()
+        if chunk.index > 0:  # chunk 0, the acceptance, is counted by the caller
+            meter.saw_tokens(len(chunk.token_ids))
         yield chunk
+
+
+async def _quietly(task: asyncio.Future[Any]) -> None:
+    """Await ``task`` for its side effects; its failure has been accounted for already."""
+    with contextlib.suppress(Exception):
+        await task
 
 
 def _mtime(path: Path) -> float | None:
