@@ -31,7 +31,12 @@ CREATE TABLE IF NOT EXISTS requests (
     ttft_ms         DOUBLE,
     latency_ms      DOUBLE,
     routing_reason  VARCHAR,
-    ingested_at     TIMESTAMPTZ NOT NULL DEFAULT now()
+    ingested_at     TIMESTAMPTZ NOT NULL DEFAULT now(),
+    -- Appended after ingested_at, where MIGRATIONS' ADD COLUMN puts them, so a new ledger and a migrated
+    -- one have the same column order (SELECT * reads alike). UsageRecord's appended fields:
+    usage_source    VARCHAR,            -- 'member' | 'engine' | 'counted_by_gateway' | 'none' (or newer)
+    limit_kind      VARCHAR,            -- the limit a 429 came from (tokens_per_day, kwh_per_month, ...)
+    user_id         VARCHAR             -- the user owning api_key_id
 );
 CREATE TABLE IF NOT EXISTS sample_log (
     worker_id   VARCHAR NOT NULL,
@@ -158,8 +163,13 @@ CREATE TABLE IF NOT EXISTS usage_daily (
 
 # A ledger written by an older version: the same tables as above, brought up to date in place
 # (each statement is a no-op on a current ledger). Key rows from before ``method`` existed keep it NULL;
-# their tokens were all from measured intervals then.
+# their tokens were all from measured intervals then. Requests stored before usage_source, limit_kind and
+# user_id existed keep them NULL: the ledger did not record them (a record from an old gateway that arrives
+# now decodes with UsageRecord's defaults, usage_source 'member').
 MIGRATIONS = """
+ALTER TABLE requests ADD COLUMN IF NOT EXISTS usage_source VARCHAR;
+ALTER TABLE requests ADD COLUMN IF NOT EXISTS limit_kind VARCHAR;
+ALTER TABLE requests ADD COLUMN IF NOT EXISTS user_id VARCHAR;
 ALTER TABLE energy_attribution ALTER COLUMN energy_j DROP NOT NULL;
 ALTER TABLE key_energy_hourly ADD COLUMN IF NOT EXISTS method VARCHAR;
 ALTER TABLE key_energy_hourly ADD COLUMN IF NOT EXISTS measured_output_tokens DOUBLE;
@@ -214,7 +224,8 @@ FROM energy_daily WHERE day > current_date - 30 GROUP BY ALL;
 """
 
 # One interval split over the UTC hours it overlaps, in proportion to time (an interval of zero or
-# negative length lands whole in the hour of its end). $1, $2: the [lo, hi) range of hours wanted.
+# negative length lands whole in the hour of its end). $1, $2: the [lo, hi) range of hours wanted;
+# {hours}: a query naming the hours wanted inside it.
 _PIECES = """
 WITH iv AS (
     SELECT *, epoch(end_ts) - epoch(start_ts) AS dur FROM {table} WHERE end_ts >= $1 AND start_ts < $2
@@ -230,7 +241,7 @@ WITH iv AS (
                  ELSE date_trunc('hour', end_ts - INTERVAL 1 MICROSECOND) END,
             INTERVAL 1 HOUR)) AS hour
     ) h
-    WHERE h.hour IN (SELECT hour FROM dirty_now)
+    WHERE h.hour IN ({hours})
 )
 """
 
@@ -241,7 +252,7 @@ _RATED = """
 )
 """
 
-REFRESH_ENERGY_HOURLY = _PIECES.format(table="energy_intervals") + """
+REFRESH_ENERGY_HOURLY = _PIECES.format(table="energy_intervals", hours="SELECT hour FROM dirty_now") + """
 , agg AS (
     SELECT hour, worker_id, model_id, method,
            sum(energy_j * frac) FILTER (method <> 'estimated') AS measured_j,
@@ -263,7 +274,7 @@ FROM rated
 
 # Per key: shares of unknown energy (energy_j NULL) count their tokens in output_tokens only, so
 # measured_output_tokens / output_tokens is the key's coverage.
-REFRESH_KEY_ENERGY_HOURLY = _PIECES.format(table="energy_attribution") + """
+REFRESH_KEY_ENERGY_HOURLY = _PIECES.format(table="energy_attribution", hours="SELECT hour FROM dirty_now") + """
 , agg AS (
     SELECT p.hour, p.worker_id, p.model_id, r.pool, r.api_key_id, p.method,
            sum(p.energy_j * p.frac) FILTER (p.method <> 'estimated') AS busy_j,
@@ -280,6 +291,29 @@ INSERT INTO key_energy_hourly (hour, worker_id, model_id, pool, api_key_id, busy
 SELECT hour, worker_id, model_id, pool, api_key_id, busy_j, estimated_j, output_tokens, busy_j / 3.6e6 * usd_per_kwh,
        method, measured_output_tokens
 FROM rated
+"""
+
+# Month-to-date measured joules per API key (KeyEnergyQuery; docs/accounting.md, "Tables"): the busy_j of
+# key_energy_hourly, computed fresh. An hour whose rollup is current is read from key_energy_hourly; an hour
+# still in rollup_dirty (its raw rows changed since the last refresh) from the raw shares, with the
+# refresh's own rule, without writing anything. Dirty hours older than the raw cutoff keep their joules
+# (they are only priced again), so they are read from the rollup like clean ones.
+# $1, $2: the month's [start, end); $3: the raw cutoff (hours from it on are recomputed from raw rows).
+KEY_ENERGY_OF_CURRENT_HOURS = """
+SELECT api_key_id, sum(busy_j) FROM key_energy_hourly
+WHERE hour >= $1 AND hour < $2 AND api_key_id IS NOT NULL AND busy_j IS NOT NULL
+  AND hour NOT IN (SELECT hour FROM rollup_dirty WHERE hour >= $3)
+GROUP BY api_key_id
+"""
+# $1, $2: the [lo, hi) span of the dirty hours wanted (every dirty hour in it is wanted); $3: no request
+# that finished before it can own a share in them. The inner join leaves out a share whose usage record
+# has not arrived: its energy belongs to no key until it does (its hours are marked dirty then).
+KEY_ENERGY_OF_DIRTY_HOURS = _PIECES.format(
+    table="energy_attribution", hours="SELECT hour FROM rollup_dirty WHERE hour >= $1 AND hour < $2") + """
+SELECT r.api_key_id, sum(p.energy_j * p.frac) FROM pieces p JOIN requests r USING (request_id)
+WHERE p.request_id IS NOT NULL AND p.energy_j IS NOT NULL AND p.method <> 'estimated'
+  AND r.api_key_id IS NOT NULL AND r.ts >= $3
+GROUP BY r.api_key_id
 """
 
 REFRESH_USAGE_HOURLY = """

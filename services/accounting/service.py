@@ -1,5 +1,5 @@
-"""The accounting I/O shell: durable USAGE and ENERGY consumers, rollup and retention jobs, the SQL and
-costs responders on the bus, and the admin HTTP server (``POST /sql``, ``GET /costs``).
+"""The accounting I/O shell: durable USAGE and ENERGY consumers, rollup and retention jobs, the SQL, costs
+and key-energy responders on the bus, and the admin HTTP server (``POST /sql``, ``GET /costs``).
 
 Exactly once: messages are fetched in batches from durable pull consumers, written in one DuckDB
 transaction, and acknowledged only after the commit. A crash before the ack means redelivery, which
@@ -30,7 +30,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from proto import EnergySample, ProtoDecodeError, UsageRecord, decode, subjects
+from proto import EnergySample, KeyEnergyQuery, KeyEnergyReply, ProtoDecodeError, UsageRecord, decode, encode, subjects
 from services.accounting.intervals import Limits
 from services.accounting.puller import BatchPuller
 from services.accounting.store import (
@@ -42,7 +42,7 @@ from services.accounting.store import (
     QueryRejected,
     jsonable,
 )
-from services.accounting.validation import energy_problem, usage_problem
+from services.accounting.validation import energy_problem, month_bounds, usage_problem
 from services.common import pool_config
 from services.common.http import HTTPError, error_body, error_middleware, read_json_object, serving
 from services.common.runtime import ConfigError, raise_if_cancelling
@@ -126,6 +126,7 @@ class AccountingService:
         try:
             self._subs.append(await self.nc.subscribe(subjects.ACCOUNTING_SQL, cb=self._on_sql))
             self._subs.append(await self.nc.subscribe(subjects.ACCOUNTING_COSTS, cb=self._on_costs))
+            self._subs.append(await self.nc.subscribe(subjects.ACCOUNTING_KEY_ENERGY, cb=self._on_key_energy))
             self._subs.append(await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self._on_config_changed))
             async with contextlib.AsyncExitStack() as stack:
                 if self.config.port is not None:
@@ -339,6 +340,29 @@ class AccountingService:
             return ledger.costs(now_s, num_days)  # type: ignore[no-any-return]
 
         return jsonable(await self._write(work))  # type: ignore[no-any-return]
+
+    async def key_energy(self, month: str) -> KeyEnergyReply:
+        """Month-to-date measured joules per API key (``Ledger.key_energy``), fresh as the last committed
+        batch. A month that is not ``"YYYY-MM"`` gets the empty reply for month ``""``."""
+        bounds = month_bounds(month)
+        if bounds is None:
+            return KeyEnergyReply(month="")
+        now_s, retention = time.time(), self.config.retention_days
+        joules, as_of_s = await self._write(lambda ledger: ledger.key_energy(*bounds, now_s, retention))
+        return KeyEnergyReply(month=month, joules_by_key=joules, as_of_s=as_of_s)
+
+    async def _on_key_energy(self, msg: Msg) -> None:
+        """``KeyEnergyQuery`` → ``KeyEnergyReply`` (msgpack). A reply for month ``""`` carries no figure (the
+        query was malformed, or the ledger failed): the gateway must not read it as zero joules."""
+        try:
+            reply = await self.key_energy(decode(msg.data, KeyEnergyQuery).month)
+        except ProtoDecodeError as exc:
+            log.warning("bad key-energy query: %s", exc)
+            reply = KeyEnergyReply(month="")
+        except LEDGER_ERRORS:
+            log.exception("key-energy query failed")
+            reply = KeyEnergyReply(month="")
+        await msg.respond(encode(reply))
 
     async def _on_sql(self, msg: Msg) -> None:
         reply: dict[str, Any]

@@ -92,6 +92,8 @@ class Limits:
     first_byte_timeout_s: float = 5.0
     max_body_bytes: int = 4 * 1024 * 1024
     max_concurrent_per_key: int = 64
+    # what a limit reservation counts for a request without max_tokens (docs/admin.md, "Limits")
+    reserve_output_tokens: int = 1024
 
 
 @dataclass(frozen=True)
@@ -245,13 +247,14 @@ def parse(data: Any) -> GatewayFileConfig:
         ninfer_pressure_weight=_num(m, "ninfer_pressure_weight", "metrics", 0.10, 0.0, 1.0),
     )
     g = _obj(root.get("gateway", {}), "gateway")
-    _check_keys(g, {"request_timeout_s", "first_byte_timeout_s", "max_body_bytes", "max_concurrent_per_key"},
-                "gateway")
+    _check_keys(g, {"request_timeout_s", "first_byte_timeout_s", "max_body_bytes", "max_concurrent_per_key",
+                    "reserve_output_tokens"}, "gateway")
     limits = Limits(
         request_timeout_s=_num(g, "request_timeout_s", "gateway", 600.0, 1.0, 86400.0),
         first_byte_timeout_s=_num(g, "first_byte_timeout_s", "gateway", 5.0, 0.1, 600.0),
         max_body_bytes=int(_num(g, "max_body_bytes", "gateway", 4 * 1024 * 1024, 1024, 64 * 1024 * 1024)),
         max_concurrent_per_key=int(_num(g, "max_concurrent_per_key", "gateway", 64, 1, 100_000)),
+        reserve_output_tokens=int(_num(g, "reserve_output_tokens", "gateway", 1024, 1, 10_000_000)),
     )
     return GatewayFileConfig(
         pools=pools,

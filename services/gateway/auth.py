@@ -2,8 +2,10 @@
 
 - Inference needs a valid ``Authorization: Bearer sk-…`` unless the caller's address lies in a network
   the operator trusts explicitly (``--trust-network CIDR``); loopback is *not* trusted by default.
-- A key's daily token quota (prompt + output tokens, UTC day) is checked at admission: once spent, 429
-  with ``Retry-After`` until UTC midnight. Open requests per key are capped (``max_concurrent_per_key``).
+- Limits bind the principal (services/gateway/limits.py): the key's user, and the key's lineage (the
+  key and the keys rotated from it). Admission reserves, completion settles; a limit with no room left is
+  a 429 with ``Retry-After`` and a ``code`` naming the limit. Open requests per key are capped
+  (``max_concurrent_per_key``).
 - Pages use the ``llmgw_session`` cookie (HttpOnly, SameSite=Lax, signed, 12 h, revocable); every
   state-changing form carries the session's CSRF token; sign-in failures back off per address + user.
 - Admin JSON routes accept an admin session or an admin user's API key.
@@ -19,12 +21,12 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import msgspec
 from aiohttp import web
 
 from services.common.http import HTTPError
 from services.common.runtime import ConfigError
-from services.gateway.identity import ApiKey, IdentityStore, Session, User, key_digest, seconds_to_utc_midnight, utc_day
+from services.gateway.identity import ApiKey, IdentityStore, Session, User, key_digest
+from services.gateway.limits import Cost, LimitBook, Principal, Reservation, counter_key, key_principal, window
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +36,21 @@ FREE_LOGIN_FAILURES = 3
 MAX_LOGIN_DELAY_S = 300.0
 
 
-class KeyUsageSummary(msgspec.Struct):
-    """``llm.v1.quota.<gateway_id>``: the tokens each API key used through one gateway on one UTC day."""
+class LimitExceeded(HTTPError):
+    """A 429 from a limit (or the open-requests cap); ``kind`` goes into the request's usage row."""
 
-    gateway_id: str
-    day: str
-    tokens: dict[str, int]
+    def __init__(self, kind: str, message: str, code: str, retry_after_s: float) -> None:
+        super().__init__(429, message, code=code, type="rate_limit_error", retry_after_s=retry_after_s)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An admitted request: its key, the principals whose limits it counts against, its reservation."""
+
+    key: ApiKey
+    principals: tuple[Principal, ...]
+    reservation: Reservation
 
 
 @dataclass
@@ -90,13 +101,10 @@ class Auth:
         self.trusted = trusted
         self.max_concurrent_per_key = max_concurrent_per_key
         self.throttle = LoginThrottle()
-        self._day = ""
-        self._day_index = -1
-        self._used: dict[str, int] = {}
+        self.book = LimitBook()
+        self.book.restore(store.load_limit_usage())
         self._dirty = False
         self._open: collections.Counter[str] = collections.Counter()
-        self._elsewhere: dict[str, dict[str, int]] = {}  # other gateway → its tokens per key today
-        self._elsewhere_total: collections.Counter[str] = collections.Counter()
 
     # ---- inference --------------------------------------------------------------------------------
 
@@ -125,77 +133,64 @@ class Auth:
         return key
 
     def admit(self, request: web.Request, now_s: float) -> ApiKey | None:
-        """Check the caller may run inference now; returns its key (None for a trusted network)."""
+        """Who is calling: its valid key, None for a trusted network; 401 otherwise. Limits are checked
+        by :meth:`admit_key` once the request's size is known."""
         key = self.bearer_key(request, now_s)
         if key is None:
             if self.is_trusted(request):
                 return None
             raise HTTPError(401, "an API key is required: send 'Authorization: Bearer sk-…' "
                                  "(create one on your account page)", code="missing_api_key")
-        return self.admit_key(key, now_s)
-
-    def admit_key(self, key: ApiKey, now_s: float) -> ApiKey:
-        """Quota and open-request checks for a valid key; counts the request as open."""
-        self._roll_day(now_s)
-        if key.daily_quota is not None and self.used_today(key.key_id, now_s) >= key.daily_quota:
-            raise HTTPError(429, f"daily token quota of {key.daily_quota} spent for key {key.key_id}; it renews at "
-                                 "00:00 UTC", code="quota_exceeded", retry_after_s=seconds_to_utc_midnight(now_s))
-        if self._open[key.key_id] >= self.max_concurrent_per_key:
-            raise HTTPError(429, f"too many open requests for key {key.key_id} (limit "
-                                 f"{self.max_concurrent_per_key}); retry when one finishes",
-                            code="too_many_concurrent_requests", retry_after_s=1)
-        self._open[key.key_id] += 1
         return key
 
-    def finished(self, key: ApiKey | None, tokens: int, now_s: float) -> None:
-        """A request admitted with ``key`` ended having used ``tokens`` (prompt + output)."""
-        if key is None:
+    def admit_key(self, key: ApiKey, now_s: float, cost: Cost | None = None) -> Admission:
+        """The open-requests cap and every limit of the key's principals; reserves ``cost`` (default: one
+        request, no tokens) and counts the request as open. Raises :class:`LimitExceeded`."""
+        if self._open[key.key_id] >= self.max_concurrent_per_key:
+            raise LimitExceeded("concurrent_requests", f"too many open requests for key {key.key_id} (limit "
+                                f"{self.max_concurrent_per_key}); retry when one finishes",
+                                "too_many_concurrent_requests", 1.0)
+        principals = self.store.principals_of(key)
+        refusal = self.book.check(principals, now_s)
+        if refusal is not None:
+            raise LimitExceeded(refusal.kind, refusal.message(), refusal.code, refusal.retry_after_s)
+        reservation = self.book.reserve(principals, cost or Cost(), now_s)
+        self._open[key.key_id] += 1
+        return Admission(key, principals, reservation)
+
+    def rate_headers(self, admission: Admission | None, now_s: float) -> dict[str, str]:
+        return {} if admission is None else self.book.rate_headers(admission.principals, now_s)
+
+    def finished(self, admission: Admission | None, tokens: int, now_s: float, usd: float = 0.0) -> None:
+        """A request admitted as ``admission`` ended having used ``tokens`` (prompt + output) worth ``usd``."""
+        if admission is None:
             return
-        self._open[key.key_id] -= 1
-        if self._open[key.key_id] <= 0:
-            del self._open[key.key_id]
-        if tokens > 0:
-            self._roll_day(now_s)
-            self._used[key.key_id] = self._used.get(key.key_id, 0) + tokens
-            self._dirty = True
+        key_id = admission.key.key_id
+        self._open[key_id] -= 1
+        if self._open[key_id] <= 0:
+            del self._open[key_id]
+        self.book.settle(admission.reservation, Cost(tokens=max(0, tokens), requests=1, usd=max(0.0, usd)))
+        self._dirty = True
 
-    def usage_summary(self, now_s: float) -> KeyUsageSummary:
-        """What each key used through this gateway today (for the other gateways' quota checks)."""
-        self._roll_day(now_s)
-        return KeyUsageSummary(self.gateway_id, self._day, dict(self._used))
+    def limit_counters(self, now_s: float) -> dict[str, float]:
+        """What this gateway counted in the current windows (for the other gateways' checks)."""
+        return self.book.own_counters(now_s)
 
-    def used_elsewhere(self, summary: KeyUsageSummary, now_s: float) -> None:
-        """Another gateway's summary: its tokens count against each key's quota here too."""
-        self._roll_day(now_s)
-        if summary.day == self._day:
-            self._elsewhere[summary.gateway_id] = summary.tokens
-        else:
-            self._elsewhere.pop(summary.gateway_id, None)
-        total: collections.Counter[str] = collections.Counter()
-        for counts in self._elsewhere.values():
-            total.update(counts)
-        self._elsewhere_total = total
+    def counted_elsewhere(self, gateway_id: str, counters: dict[str, float]) -> None:
+        """Another gateway's newest counters: they count against the limits here too."""
+        if gateway_id != self.gateway_id:
+            self.book.merge_remote(gateway_id, counters)
 
     def used_today(self, key_id: str, now_s: float) -> int:
-        """Tokens the key used today, through this gateway and (as they last said) the others."""
-        self._roll_day(now_s)
-        return self._used.get(key_id, 0) + self._elsewhere_total.get(key_id, 0)
-
-    def _roll_day(self, now_s: float) -> None:
-        day_index = int(now_s // 86400)  # UTC days are 86,400 epoch seconds each: no calendar work per request
-        if day_index == self._day_index:
-            return
-        self._day_index = day_index
-        day = utc_day(now_s)
-        if day != self._day:
-            if self._dirty:
-                self.store.save_usage(self._day, self._used)
-            self._day, self._used, self._dirty = day, self.store.load_usage(day), False
-            self._elsewhere, self._elsewhere_total = {}, collections.Counter()
+        """Tokens the key's lineage used today, here and (as they last said) at the other gateways."""
+        key = self.store.key_by_id(key_id)
+        lineage = key.lineage if key is not None and key.lineage else key_id
+        return int(self.book.counted(counter_key(key_principal(lineage), "tokens_per_day",
+                                                 window("tokens_per_day", now_s))))
 
     def save_usage(self) -> None:
         if self._dirty:
-            self.store.save_usage(self._day, dict(self._used))
+            self.store.save_limit_usage(self.book.persistent())
             self._dirty = False
 
     # ---- pages ------------------------------------------------------------------------------------

@@ -24,9 +24,11 @@ hashing (see :func:`hash_password`).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime as dt
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import sqlite3
@@ -35,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from services.gateway.limits import KINDS, Limits, Principal, key_principal, user_principal
 
 Role = Literal["admin", "user"]
 ROLES: tuple[Role, ...] = ("admin", "user")
@@ -72,6 +76,19 @@ CREATE TABLE IF NOT EXISTS api_keys (
     replaced_by  TEXT,
     updated_s    REAL NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS limits (
+    principal            TEXT PRIMARY KEY,  -- "user-<user_id>" or "key-<lineage key id>" (services/gateway/limits.py)
+    tokens_per_day       INTEGER,
+    requests_per_minute  INTEGER,
+    tokens_per_minute    INTEGER,
+    usd_per_month        REAL,
+    kwh_per_month        REAL,
+    updated_s            REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS limit_usage (
+    counter  TEXT PRIMARY KEY,  -- "<principal>|<kind>|<window>": this gateway's settled amount
+    amount   REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS key_usage (
     key_id  TEXT NOT NULL,
     day     TEXT NOT NULL,
@@ -86,6 +103,8 @@ REPLICATED: dict[str, tuple[str, ...]] = {
     "users": ("user_id", "name", "role", "pw_hash", "created_s", "updated_s"),
     "api_keys": ("key_id", "user_id", "name", "key_sha256", "hint", "daily_quota", "created_s", "expires_s",
                  "revoked_s", "replaced_by", "updated_s"),
+    "limits": ("principal", "tokens_per_day", "requests_per_minute", "tokens_per_minute", "usd_per_month",
+               "kwh_per_month", "updated_s"),
 }
 
 
@@ -117,6 +136,9 @@ class ApiKey:
     expires_s: float | None  # set when rotated: the old key keeps working until then
     revoked_s: float | None
     replaced_by: str | None
+    # The first key of this key's rotation chain (itself when never rotated): limits and their counters
+    # attach to it, so a rotated key carries its spend on (derived from ``replaced_by`` at load).
+    lineage: str = ""
 
     def is_valid(self, now_s: float) -> bool:
         return self.revoked_s is None and (self.expires_s is None or now_s < self.expires_s)
@@ -203,6 +225,39 @@ def parse_daily_quota(text: str) -> int | None:
     return value
 
 
+NO_LIMITS = Limits()
+MAX_TOKEN_LIMIT = 10**12
+
+
+def check_limits(limits: Limits) -> None:
+    """Raises IdentityError(kind, why) for a limit that cannot be meant."""
+    for kind in KINDS:
+        value = limits.get(kind)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value <= 0:
+            raise IdentityError(kind, "must be a positive number, or empty for no limit")
+        if kind in ("tokens_per_day", "requests_per_minute", "tokens_per_minute"):
+            if value != int(value) or value > MAX_TOKEN_LIMIT:
+                raise IdentityError(kind, f"must be a whole number up to {MAX_TOKEN_LIMIT:,}")
+        elif value > 1e12:
+            raise IdentityError(kind, "is beyond any plausible budget")
+
+
+def parse_limit(kind: str, text: str) -> float | int | None:
+    """A limit form field: empty or ``none`` → None (no limit); thousands separators accepted."""
+    cleaned = text.strip().replace(",", "").replace("_", "")
+    if cleaned == "" or cleaned.lower() == "none":
+        return None
+    try:
+        value: float | int = int(cleaned) if kind in ("tokens_per_day", "requests_per_minute",
+                                                          "tokens_per_minute") else float(cleaned)
+    except ValueError:
+        raise IdentityError(kind, "must be a number, or empty for no limit") from None
+    check_limits(dataclasses.replace(NO_LIMITS, **{kind: value}))
+    return value
+
+
 def check_password_rules(password: str) -> None:
     if len(password) < 10:
         raise IdentityError("password", "use at least 10 characters")
@@ -233,7 +288,9 @@ class IdentityStore:
         self._secret = _load_secret(directory / "secret")
         self._keys: dict[str, ApiKey] = {}  # by key_sha256
         self._users: dict[str, User] = {}
+        self._limits: dict[str, Limits] = {}  # by principal id
         self.reload_keys()
+        self.reload_limits()
 
     def close(self) -> None:
         self.db.close()
@@ -341,7 +398,16 @@ class IdentityStore:
         rows = self.db.execute(
             "SELECT key_id, user_id, name, key_sha256, hint, daily_quota, created_s, expires_s, revoked_s, "
             "replaced_by FROM api_keys").fetchall()
-        self._keys = {row[3]: ApiKey(*row) for row in rows}
+        keys = [ApiKey(*row) for row in rows]
+        predecessor = {k.replaced_by: k.key_id for k in keys if k.replaced_by}
+
+        def lineage(key_id: str) -> str:
+            seen = {key_id}
+            while (before := predecessor.get(key_id)) is not None and before not in seen:
+                seen.add(before)
+                key_id = before
+            return key_id
+        self._keys = {k.key_sha256: dataclasses.replace(k, lineage=lineage(k.key_id)) for k in keys}
 
     def create_key(self, user_id: str, name: str, daily_quota: int | None, now_s: float) -> tuple[str, ApiKey]:
         """Returns the key itself (show it once) and its record."""
@@ -351,8 +417,9 @@ class IdentityStore:
         if daily_quota is not None and daily_quota < 1:
             raise IdentityError("daily_quota", "must be a positive number of tokens, or empty for no quota")
         key = new_api_key()
-        record = ApiKey(f"key_{secrets.token_hex(8)}", user_id, name, key_digest(key), f"{KEY_PREFIX}…{key[-4:]}",
-                        daily_quota, now_s, None, None, None)
+        key_id = f"key_{secrets.token_hex(8)}"
+        record = ApiKey(key_id, user_id, name, key_digest(key), f"{KEY_PREFIX}…{key[-4:]}",
+                        daily_quota, now_s, None, None, None, key_id)
         self.db.execute("INSERT INTO api_keys (key_id, user_id, name, key_sha256, hint, daily_quota, created_s, "
                         "updated_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                         (record.key_id, user_id, record.name, record.key_sha256, record.hint, daily_quota, now_s,
@@ -438,6 +505,11 @@ class IdentityStore:
             raise ValueError("updated_s must be a number")
         if table == "users" and row["role"] not in ROLES:
             raise ValueError(f"unknown role {row['role']!r}")
+        if table == "limits":
+            try:
+                check_limits(Limits(**{k: row[k] for k in KINDS}))  # type: ignore[arg-type]
+            except (IdentityError, TypeError) as exc:
+                raise ValueError(f"bad limits for {row['principal']!r}: {exc}") from None
         updates = ", ".join(f"{c} = excluded.{c}" for c in columns[1:])
         cursor = self.db.execute(
             f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))}) "
@@ -448,9 +520,56 @@ class IdentityStore:
         self._updated_s = max(self._updated_s, float(row["updated_s"]))  # type: ignore[arg-type]
         if table == "users":
             self._users.pop(str(row["user_id"]), None)
+        elif table == "limits":
+            self.reload_limits()
         else:
             self.reload_keys()
         return True
+
+    # ---- limits (services/gateway/limits.py) -----------------------------------------------------------
+
+    def reload_limits(self) -> None:
+        rows = self.db.execute("SELECT principal, tokens_per_day, requests_per_minute, tokens_per_minute, "
+                               "usd_per_month, kwh_per_month FROM limits").fetchall()
+        self._limits = {row[0]: Limits(*row[1:]) for row in rows}
+
+    def limits_of(self, principal_id: str) -> Limits:
+        return self._limits.get(principal_id, NO_LIMITS)
+
+    def all_limits(self) -> dict[str, Limits]:
+        return dict(self._limits)
+
+    def set_limits(self, principal_id: str, limits: Limits) -> None:
+        """Set a user's (``user-<id>``) or a key lineage's (``key-<lineage>``) limits; only admins may
+        (the pages and ``llmgw admin`` check the role). A key's tokens per day stays its ``daily_quota``."""
+        check_limits(limits)
+        self.db.execute(
+            "INSERT INTO limits VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (principal) DO UPDATE SET "
+            "tokens_per_day = excluded.tokens_per_day, requests_per_minute = excluded.requests_per_minute, "
+            "tokens_per_minute = excluded.tokens_per_minute, usd_per_month = excluded.usd_per_month, "
+            "kwh_per_month = excluded.kwh_per_month, updated_s = excluded.updated_s",
+            (principal_id, limits.tokens_per_day, limits.requests_per_minute, limits.tokens_per_minute,
+             limits.usd_per_month, limits.kwh_per_month, self._stamp()))
+        self._limits[principal_id] = limits
+        self._changed("limits", principal_id)
+
+    def principals_of(self, key: ApiKey) -> tuple[Principal, Principal]:
+        """The user's and the key's limits; the key's tokens per day is its ``daily_quota``."""
+        own = self.limits_of(key_principal(key.lineage or key.key_id))
+        if key.daily_quota is not None:
+            own = dataclasses.replace(own, tokens_per_day=key.daily_quota)
+        return (Principal(user_principal(key.user_id), self.limits_of(user_principal(key.user_id))),
+                Principal(key_principal(key.lineage or key.key_id), own))
+
+    def load_limit_usage(self) -> dict[str, float]:
+        return dict(self.db.execute("SELECT counter, amount FROM limit_usage").fetchall())
+
+    def save_limit_usage(self, counters: dict[str, float]) -> None:
+        """Replace this gateway's settled day and month counters (one transaction: old or new, never half)."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute("DELETE FROM limit_usage")
+            self.db.executemany("INSERT INTO limit_usage VALUES (?, ?)", list(counters.items()))
 
     # ---- per-key daily token counts (the quota) ----------------------------------------------------
 

@@ -77,6 +77,14 @@ def weights_for(metrics: MetricsConfig, stale_after_s: float) -> routing.Routing
                                   stale_after_s=stale_after_s)
 
 
+def prompt_tokens_estimate(parsed: openai_api.ParsedRequest) -> int:
+    """The gateway's guess at a prompt's length in tokens (characters / CHARS_PER_TOKEN), before any
+    engine has tokenized it: for routing, limit reservations, and billing a member that never said."""
+    messages = parsed.generate.messages
+    chars = sum(len(m.content) for m in messages) if messages else len(parsed.generate.prompt or "")
+    return chars // routing.CHARS_PER_TOKEN
+
+
 class Router:
     def __init__(self, data_dir: Path | None, now_s: float, max_entries: int = 100_000) -> None:
         self.dir = data_dir / "routing" if data_dir is not None else None
@@ -130,9 +138,8 @@ class Router:
         policy = policy_for(resolved.pool)
         messages = parsed.generate.messages
         keys = prefix_hashes(messages) if messages and policy.cache_affinity else ()
-        chars = sum(len(m.content) for m in messages) if messages else len(parsed.generate.prompt or "")
         request = routing.RouteRequest(session_key=session_key, is_session_header=is_session_header,
-                                       prefix_keys=keys, prompt_tokens=chars // routing.CHARS_PER_TOKEN)
+                                       prefix_keys=keys, prompt_tokens=prompt_tokens_estimate(parsed))
         self.weights = weights
         pick = routing.pick(policy, weights, self._states(resolved, fleet, now_s), request, self.affinity,
                             self.pins, now_s, rng)

@@ -26,7 +26,19 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from proto import ProtoDecodeError, SlotHeartbeat, TokenChunk, UsageRecord, decode, encode, subjects
+from proto import (
+    KeyEnergyQuery,
+    KeyEnergyReply,
+    LimitCounters,
+    ProtoDecodeError,
+    SlotHeartbeat,
+    TokenChunk,
+    Usage,
+    UsageRecord,
+    decode,
+    encode,
+    subjects,
+)
 from services.common import openai_api, openai_stream, pool_config
 from services.common.http import HTTPError, body_deadline_middleware, error_middleware, read_json_object, serving
 from services.common.prom import E2E_BUCKETS_S, Histogram, PromText
@@ -40,11 +52,13 @@ from services.common.runtime import (
 )
 from services.gateway import bus_backend, pools, routing, routing_adapter
 from services.gateway.acked_publisher import AckedPublisher
-from services.gateway.auth import Auth, KeyUsageSummary, parse_networks, save_usage_periodically
+from services.gateway.auth import Admission, Auth, LimitExceeded, parse_networks, save_usage_periodically
 from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend, MemberUnavailable
-from services.gateway.identity import IdentityStore
+from services.gateway.identity import ApiKey, IdentityStore
 from services.gateway.identity_sync import IdentitySync
+from services.gateway.limits import Cost
+from services.gateway.limits import month_of as limits_month
 from services.gateway.openapi import document as openapi_document
 from services.gateway.pages import Pages
 from services.gateway.usage_meter import UsageMeter
@@ -57,10 +71,11 @@ USAGE_BATCH = 256  # usage records sent before waiting for their acks
 # A gateway that does not know a key answers an auth check this much later than one that does.
 NEGATIVE_AUTH_DELAY_S = 0.25
 # How often each gateway tells the others its per-key token counts (a quota may overrun by this much traffic).
-QUOTA_SHARE_S = 2.0
+QUOTA_SHARE_S = 1.0
 # After a cancel, how long the gateway waits for the engine's count of what the request used.
 ABORT_REPORT_WAIT_S = 3.0
 _json = msgspec.json.Encoder()
+RATE_HEADERS = web.RequestKey("llmgw.rate_headers", dict)  # the x-ratelimit-* headers a request's answer carries
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,8 @@ class GatewayConfig:
     config_poll_s: float = 1.0
     # networks whose callers may run inference without an API key (CIDR); loopback is not trusted by default
     trusted_networks: tuple[str, ...] = ()
+    # how often to ask the ledger for the month's energy per key (only while a kWh-per-month limit is set)
+    key_energy_poll_s: float = 5.0
 
 
 @dataclass
@@ -172,7 +189,8 @@ class GatewayService:
                           tasks.create_task(self._save_routing_tables(), name="routing-tables"),
                           tasks.create_task(save_usage_periodically(self.auth), name="key-usage"),
                           tasks.create_task(self.identity_sync.run(), name="identity-sync"),
-                          tasks.create_task(self._share_key_usage(), name="key-usage-share")]
+                          tasks.create_task(self._share_key_usage(), name="key-usage-share"),
+                          tasks.create_task(self._poll_key_energy(), name="key-energy")]
             self._config_mtime = _mtime(self.config_path)
             background.append(tasks.create_task(self._watch_config(), name="config-watch"))
             try:
@@ -214,24 +232,62 @@ class GatewayService:
             await msg.respond(msgspec.json.encode(reply))
 
     async def _share_key_usage(self) -> None:
-        """Tell the other gateways what each key used here today, so a quota holds across the fleet."""
-        told: KeyUsageSummary | None = None
+        """Tell the other gateways what this one counted against every limit, so limits hold fleet-wide."""
+        told: dict[str, float] | None = None
+        seq = 0
         while True:
             raise_if_cancelling()
             await asyncio.sleep(QUOTA_SHARE_S)
-            summary = self.auth.usage_summary(time.time())
-            if summary.tokens and summary != told:
-                with contextlib.suppress(Exception):  # the bus is down: the next round tells them
-                    await self.nc.publish(subjects.quota(self.config.gateway_id), msgspec.json.encode(summary))
-                    told = summary
+            now = time.time()
+            counters = self.auth.limit_counters(now)
+            if counters == told:
+                continue
+            seq += 1
+            message = LimitCounters(gateway_id=self.config.gateway_id, session_id=self.session_id, seq=seq,
+                                    ts_s=now, counters=counters)
+            with contextlib.suppress(Exception):  # the bus is down: the next round tells them
+                await self.nc.publish(subjects.quota(self.config.gateway_id), encode(message))
+                told = counters
+
+    async def _poll_key_energy(self) -> None:
+        """The ledger's month-to-date energy per key, summed per principal, for the kWh-per-month limits.
+
+        Asked only while some principal has such a limit. The ledger's figure lags the engines (samples
+        every few seconds, attribution when both the sample and the usage record are in); a limit can be
+        overshot by what ran in that lag (docs/admin.md, "Limits")."""
+        while True:
+            raise_if_cancelling()
+            await asyncio.sleep(self.config.key_energy_poll_s)
+            if not any(lim.kwh_per_month is not None for lim in self.identity.all_limits().values()):
+                continue
+            now = time.time()
+            month = limits_month(now)
+            try:
+                msg = await self.nc.request(subjects.ACCOUNTING_KEY_ENERGY, encode(KeyEnergyQuery(month=month)),
+                                            timeout=5.0)
+                reply = decode(msg.data, KeyEnergyReply)
+            except Exception as exc:  # accounting down or slow: keep the last figure (the page says its age)
+                raise_if_cancelling()
+                self._quiet_log.warning("key-energy", "month-to-date key energy not read from accounting: %s", exc)
+                continue
+            if reply.month != month:
+                continue
+            kwh: collections.Counter[str] = collections.Counter()
+            keys = {k.key_id: k for k in self.identity.keys_of(None)}
+            for key_id, joules in reply.joules_by_key.items():
+                key = keys.get(key_id)
+                if key is None:
+                    continue
+                for principal in self.identity.principals_of(key):
+                    kwh[principal.principal_id] += joules / 3.6e6
+            self.auth.book.set_energy(month, dict(kwh), reply.as_of_s)
 
     async def _on_key_usage_elsewhere(self, msg: Msg) -> None:
         try:
-            summary = msgspec.json.decode(msg.data, type=KeyUsageSummary)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-            return
-        if summary.gateway_id != self.config.gateway_id:
-            self.auth.used_elsewhere(summary, time.time())
+            message = decode(msg.data, LimitCounters)
+        except ProtoDecodeError:
+            return  # e.g. an older gateway's JSON summary: it cannot be merged with these counters
+        self.auth.counted_elsewhere(message.gateway_id, message.counters)
 
     # ---- the pools file ---------------------------------------------------------------------------
 
@@ -351,7 +407,34 @@ class GatewayService:
 
     # ---- usage records ----------------------------------------------------------------------------
 
-    def _record_usage(self, parsed: openai_api.ParsedRequest, request_id: str, api_key_id: str | None,
+    def _admit(self, request: web.Request, key: ApiKey, parsed: openai_api.ParsedRequest) -> Admission:
+        """Check and reserve the key's limits (services/gateway/limits.py); the x-ratelimit-* headers go
+        on the answer, whether it is the response or a 429."""
+        now = time.time()
+        max_tokens = parsed.generate.max_tokens
+        output = max_tokens if max_tokens is not None else self.file_config.limits.reserve_output_tokens
+        prompt = routing_adapter.prompt_tokens_estimate(parsed)
+        cost = Cost(tokens=prompt + output, requests=1,
+                    usd=self._list_price(parsed.model, Usage(prompt_tokens=prompt, completion_tokens=output)))
+        try:
+            admission = self.auth.admit_key(key, now, cost)
+        except LimitExceeded:
+            request[RATE_HEADERS] = self.auth.book.rate_headers(self.identity.principals_of(key), now)
+            raise
+        request[RATE_HEADERS] = self.auth.rate_headers(admission, now)
+        return admission
+
+    def _list_price(self, model: str, usage: Usage) -> float:
+        """The usage's value at the price book's list price (0 for a model the book does not price)."""
+        book = self.file_config.price_book
+        prices = book.get(model) or book.get("*")
+        if prices is None:
+            return 0.0
+        cached = min(usage.cached_tokens, usage.prompt_tokens)
+        return ((usage.prompt_tokens - cached) * prices.prompt_usd_per_m + cached * prices.cached_usd_per_m
+                + usage.completion_tokens * prices.output_usd_per_m) / 1e6
+
+    def _record_usage(self, parsed: openai_api.ParsedRequest, request_id: str, key: ApiKey | None,
                       outcome: _Outcome, started_s: float, wall_s: float) -> None:
         self._seq += 1
         usage, source = outcome.meter.result()
@@ -359,14 +442,14 @@ class GatewayService:
         record = UsageRecord(
             gateway_id=self.config.gateway_id, session_id=self.session_id, seq=self._seq, ts_s=wall_s,
             request_id=request_id, model=parsed.model, pool=outcome.pool or parsed.model, member=outcome.member_id,
-            worker_id=outcome.member_id, api_key_id=api_key_id, endpoint=parsed.endpoint,
+            worker_id=outcome.member_id, api_key_id=key.key_id if key else None, endpoint=parsed.endpoint,
             stream=parsed.stream, status=outcome.status,  # type: ignore[arg-type]
             http_status=outcome.http_status, finish_reason=outcome.finish_reason,
             error_code=outcome.error_code,
             prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
             output_tokens=usage.completion_tokens,
             ttft_ms=outcome.ttft_ms, latency_ms=latency_s * 1000.0, routing_reason=outcome.routing_reason,
-            usage_source=source, limit_kind=outcome.limit_kind,
+            usage_source=source, limit_kind=outcome.limit_kind, user_id=key.user_id if key else None,
         )
         self.metrics.observe(outcome, latency_s)
         try:
@@ -457,6 +540,7 @@ class GatewayService:
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_post("/admin/routing/explain", self.explain)
         Pages(self).routes(app)
+        app.on_response_prepare.append(_add_rate_headers)
         return app
 
     def serving(self) -> contextlib.AbstractAsyncContextManager[str]:
@@ -589,22 +673,22 @@ class GatewayService:
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         key = self.auth.admit(request, time.time())
-        try:
-            body = await read_json_object(request)
-            parsed = self._parse(body, endpoint)
-            resolved = self._resolve(parsed.model)
-        except BaseException:
-            self.auth.finished(key, 0, time.time())
-            raise
+        body = await read_json_object(request)
+        parsed = self._parse(body, endpoint)
+        resolved = self._resolve(parsed.model)
         self._request_count += 1  # unique across gateways and restarts: the session id is random per start
         request_id = f"req-{self.session_id}-{self._request_count:x}"
         api_key_id = key.key_id if key is not None else None
         started, wall = time.monotonic(), time.time()
         outcome = _Outcome(pool=resolved.pool.name)
+        admission: Admission | None = None
         try:
+            if key is not None:
+                admission = self._admit(request, key, parsed)
             return await self._forward(request, body, parsed, resolved, request_id, api_key_id, outcome)
         except HTTPError as err:
             outcome.status, outcome.http_status, outcome.error_code = "error", err.status, err.code
+            outcome.limit_kind = err.kind if isinstance(err, LimitExceeded) else None
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away. If the member's final usage was in, the answer was complete (the SDK
@@ -614,9 +698,9 @@ class GatewayService:
             raise
         finally:
             def settle() -> None:
-                self._record_usage(parsed, request_id, api_key_id, outcome, started, wall)
+                self._record_usage(parsed, request_id, key, outcome, started, wall)
                 usage, _ = outcome.meter.result()
-                self.auth.finished(key, usage.total_tokens, time.time())
+                self.auth.finished(admission, usage.total_tokens, time.time(), self._list_price(parsed.model, usage))
             if outcome.settling is not None and not outcome.settling.done():
                 self._settling.add(outcome.settling)
                 outcome.settling.add_done_callback(lambda f: (self._settling.discard(f), settle()))
@@ -807,6 +891,14 @@ async def _quietly(task: asyncio.Future[Any]) -> None:
     """Await ``task`` for its side effects; its failure has been accounted for already."""
     with contextlib.suppress(Exception):
         await task
+
+
+async def _add_rate_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """The x-ratelimit-* headers admission computed go on the answer, a 429 included (OpenAI sends them
+    on every response; its clients read them to pace themselves)."""
+    headers = request.get(RATE_HEADERS)
+    if headers:
+        response.headers.update(headers)
 
 
 def _mtime(path: Path) -> float | None:

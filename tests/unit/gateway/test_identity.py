@@ -118,7 +118,7 @@ def test_quota_counts_tokens_per_utc_day_and_survives_a_restart(tmp_path: Path) 
     assert info.value.status == 429 and info.value.code == "quota_exceeded"  # type: ignore[attr-defined]
     assert info.value.retry_after_s == seconds_to_utc_midnight(T0)  # type: ignore[attr-defined]
     next_day = T0 + seconds_to_utc_midnight(T0) + 1
-    assert auth.admit_key(key, next_day) is key  # a new UTC day, a new quota
+    assert auth.admit_key(key, next_day).key is key  # a new UTC day, a new quota
     store.close()
 
 
@@ -127,13 +127,13 @@ def test_open_requests_per_key_are_capped(tmp_path: Path) -> None:
     user = store.create_user("gina", "h", "user")
     _, key = store.create_key(user.user_id, "k", None, T0)
     auth = Auth(store, max_concurrent_per_key=2)
-    auth.admit_key(key, T0)
+    first = auth.admit_key(key, T0)
     auth.admit_key(key, T0)
     with pytest.raises(Exception) as info:
         auth.admit_key(key, T0)
     assert info.value.status == 429 and info.value.code == "too_many_concurrent_requests"  # type: ignore[attr-defined]
-    auth.finished(key, 0, T0)
-    assert auth.admit_key(key, T0) is key
+    auth.finished(first, 0, T0)
+    assert auth.admit_key(key, T0).key is key
     store.close()
 
 
