@@ -169,6 +169,8 @@ class RequestStream:
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.finished = False
+        # the abort was sent but its last output (the engine's counts) not read yet: abort_and_wait reads it
+        self.aborting = False
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -183,8 +185,16 @@ class RequestStream:
                     output = merge_outputs(output, self.queue.get_nowait())
                 self.finished = output.finished
                 yield output
+        except asyncio.CancelledError:
+            # The reader was cancelled (client gone): abort, but leave the engine's last output to
+            # abort_and_wait, which reports what the request used; the stream leaves the table when it lands.
+            if not self.finished and not self.aborting:
+                self.aborting = True
+                self.engine.abort(self.request_id)
+            raise
         finally:
-            self.close()
+            if not self.aborting:
+                self.close()
 
     async def abort_and_wait(self, timeout_s: float) -> RequestOutput | None:
         """Abort the request and wait (at most ``timeout_s``) for the engine's last output for it: its
@@ -192,7 +202,9 @@ class RequestStream:
         is billed for the work done. None when it had finished already or no answer came in time."""
         if self.finished:
             return None
-        self.engine.abort(self.request_id)
+        if not self.aborting:
+            self.aborting = True
+            self.engine.abort(self.request_id)
         last: RequestOutput | None = None
         try:
             async with asyncio.timeout(timeout_s):
@@ -209,7 +221,8 @@ class RequestStream:
         """Abort the request unless it finished; idempotent."""
         if not self.finished:
             self.finished = True
-            self.engine.abort(self.request_id)
+            if not self.aborting:
+                self.engine.abort(self.request_id)
         self.engine._streams.pop(self.request_id, None)
 
 
@@ -272,6 +285,8 @@ class EngineHandle:
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.queue.put_nowait(output)
+                if output.finished and stream.aborting:  # its reader holds the stream: the table need not
+                    self._streams.pop(output.request_id, None)
         if changed:
             for callback in self._listeners:
                 callback()

@@ -33,7 +33,7 @@ import os
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -390,9 +390,13 @@ class IdentityStore:
     # ---- API keys -----------------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Forget what is cached in memory: another process (``llmgw admin``) may have changed the file."""
+        """Forget what is cached in memory: another process (``llmgw admin``) may have changed the file.
+
+        The gateway calls it every ``identity_sync.RESYNC_S`` (15 s), so a key, quota or limit changed by
+        ``llmgw admin`` applies within that period."""
         self._users.clear()
         self.reload_keys()
+        self.reload_limits()
 
     def reload_keys(self) -> None:
         rows = self.db.execute(
@@ -454,7 +458,7 @@ class IdentityStore:
                         (now_s + grace_s, new.key_id, self._stamp(), key_id))
         self.reload_keys()
         self._changed("api_keys", key_id)
-        return key, new
+        return key, self.key_by_id(new.key_id) or new  # as reloaded: its lineage is the old key's
 
     def set_quota(self, key_id: str, daily_quota: int | None) -> None:
         if daily_quota is not None and daily_quota < 1:
@@ -552,6 +556,32 @@ class IdentityStore:
              limits.usd_per_month, limits.kwh_per_month, self._stamp()))
         self._limits[principal_id] = limits
         self._changed("limits", principal_id)
+
+    def change_limits(self, principal_id: str, changes: Mapping[str, int | float | None]) -> Limits:
+        """Set the kinds in ``changes`` (None: no limit), keep the others; nothing is written for none."""
+        if changes:
+            self.set_limits(principal_id, dataclasses.replace(self.limits_of(principal_id), **changes))
+        return self.limits_of(principal_id)
+
+    def key_limits(self, key: ApiKey) -> Limits:
+        """A key's limits as set: its ``daily_quota`` for tokens per day, its lineage's row for the others."""
+        return dataclasses.replace(self.limits_of(key_principal(key.lineage or key.key_id)),
+                                   tokens_per_day=key.daily_quota)
+
+    def change_key_limits(self, key_id: str, changes: Mapping[str, int | float | None]) -> Limits:
+        """:meth:`change_limits` for a key: tokens per day goes to its ``daily_quota`` (:meth:`set_quota`),
+        the other kinds to its lineage's row (whose tokens per day stays None). Check the values first
+        (:func:`check_limits`): a refused quota after a written row would leave half a change."""
+        rest = dict(changes)
+        if "tokens_per_day" in rest:
+            quota = rest.pop("tokens_per_day")
+            self.set_quota(key_id, None if quota is None else int(quota))
+        key = self.key_by_id(key_id)
+        if key is None:
+            raise IdentityError("key_id", f"no key with id {key_id!r}")
+        if rest:
+            self.change_limits(key_principal(key.lineage or key.key_id), {**rest, "tokens_per_day": None})
+        return self.key_limits(key)
 
     def principals_of(self, key: ApiKey) -> tuple[Principal, Principal]:
         """The user's and the key's limits; the key's tokens per day is its ``daily_quota``."""

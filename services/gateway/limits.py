@@ -310,6 +310,34 @@ class LimitBook:
             self.settled[key] = max(self.settled.get(key, 0.0), float(value))
 
 
+@dataclass
+class PromptEstimator:
+    """How many tokens a prompt of so many characters will be, per model, learnt from what the engines
+    counted (their prompt tokens, chat template included, over the characters the client sent).
+
+    Reservations need a prompt length before any engine tokenized the request; a fixed 4 characters per
+    token is right for English prose under a large vocabulary and far off for code, other scripts, small
+    vocabularies or templates that add tokens, and an underestimate lets parallel requests overshoot a
+    limit by the error times their number. The ratio is a running average (weight ``alpha`` per request)
+    starting at 1/4; it never goes below 1/8 (so one odd request cannot make reservations free)."""
+
+    alpha: float = 0.2
+    default_tokens_per_char: float = 0.25
+    ratios: dict[str, float] = field(default_factory=dict)
+
+    def estimate(self, model: str, chars: int) -> int:
+        return math.ceil(max(chars, 1) * self.ratios.get(model, self.default_tokens_per_char))
+
+    def observe(self, model: str, chars: int, prompt_tokens: int) -> None:
+        if chars <= 0 or prompt_tokens <= 0:
+            return
+        ratio = max(prompt_tokens / chars, 0.125)
+        old = self.ratios.get(model)
+        self.ratios[model] = ratio if old is None else old + self.alpha * (ratio - old)
+        if len(self.ratios) > 10_000:  # bounded: model names come from clients
+            self.ratios.pop(next(iter(self.ratios)))
+
+
 def _is_current(key: str, current: Mapping[str, str]) -> bool:
     _, kind, win = key.rsplit("|", 2) if key.count("|") >= 2 else ("", "", "")
     return current.get(kind) == win

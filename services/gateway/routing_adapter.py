@@ -77,12 +77,16 @@ def weights_for(metrics: MetricsConfig, stale_after_s: float) -> routing.Routing
                                   stale_after_s=stale_after_s)
 
 
+def prompt_chars(parsed: openai_api.ParsedRequest) -> int:
+    """The characters of a request's prompt (every message's content, or the completion prompt)."""
+    messages = parsed.generate.messages
+    return sum(len(m.content) for m in messages) if messages else len(parsed.generate.prompt or "")
+
+
 def prompt_tokens_estimate(parsed: openai_api.ParsedRequest) -> int:
     """The gateway's guess at a prompt's length in tokens (characters / CHARS_PER_TOKEN), before any
-    engine has tokenized it: for routing, limit reservations, and billing a member that never said."""
-    messages = parsed.generate.messages
-    chars = sum(len(m.content) for m in messages) if messages else len(parsed.generate.prompt or "")
-    return chars // routing.CHARS_PER_TOKEN
+    engine has tokenized it: for routing, and billing a member that never said."""
+    return prompt_chars(parsed) // routing.CHARS_PER_TOKEN
 
 
 class Router:

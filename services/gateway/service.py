@@ -57,7 +57,7 @@ from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend, MemberUnavailable
 from services.gateway.identity import ApiKey, IdentityStore
 from services.gateway.identity_sync import IdentitySync
-from services.gateway.limits import Cost
+from services.gateway.limits import Cost, PromptEstimator
 from services.gateway.limits import month_of as limits_month
 from services.gateway.openapi import document as openapi_document
 from services.gateway.pages import Pages
@@ -164,6 +164,7 @@ class GatewayService:
         self._request_count = 0
         self.usage_published = 0
         self._config_mtime: float | None = None
+        self.prompt_estimator = PromptEstimator()  # prompt tokens per character, learnt per model (limits)
         self._settling: set[asyncio.Future[Any]] = set()  # answers still being accounted (see _Outcome)
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -413,7 +414,7 @@ class GatewayService:
         now = time.time()
         max_tokens = parsed.generate.max_tokens
         output = max_tokens if max_tokens is not None else self.file_config.limits.reserve_output_tokens
-        prompt = routing_adapter.prompt_tokens_estimate(parsed)
+        prompt = self.prompt_estimator.estimate(parsed.model, routing_adapter.prompt_chars(parsed))
         cost = Cost(tokens=prompt + output, requests=1,
                     usd=self._list_price(parsed.model, Usage(prompt_tokens=prompt, completion_tokens=output)))
         try:
@@ -699,7 +700,10 @@ class GatewayService:
         finally:
             def settle() -> None:
                 self._record_usage(parsed, request_id, key, outcome, started, wall)
-                usage, _ = outcome.meter.result()
+                usage, source = outcome.meter.result()
+                if outcome.meter.prompt_tokens is not None or source in ("member", "engine"):
+                    self.prompt_estimator.observe(parsed.model, routing_adapter.prompt_chars(parsed),
+                                                  usage.prompt_tokens)
                 self.auth.finished(admission, usage.total_tokens, time.time(), self._list_price(parsed.model, usage))
             if outcome.settling is not None and not outcome.settling.done():
                 self._settling.add(outcome.settling)
@@ -827,8 +831,8 @@ class GatewayService:
         try:
             async for chunk in stream.rest(ABORT_REPORT_WAIT_S):
                 meter.saw_tokens(len(chunk.token_ids))
-                if chunk.is_final and chunk.usage is not None:
-                    meter.finished(chunk.usage, "engine")
+                if chunk.is_final and chunk.usage is not None:  # an abort's count, or an end already on its way
+                    meter.finished(chunk.usage, "engine" if chunk.finish_reason == "abort" else "member")
         except Exception as exc:  # the report is a bonus: what was counted stands
             log.debug("abort report not read: %s", exc)
         finally:

@@ -85,6 +85,10 @@ async def test_a_killed_engine_fails_over_queued_requests_and_ends_streaming_one
                     assert res.texts > 0 and record.member == victim, (res, record)
                     assert res.error_event["code"] == "upstream_lost" and res.error_event["type"]
                     assert record.status == "error" and record.http_status == 503
+                    # issue #21: the tokens already streamed are billed (counted by the gateway, the prompt as
+                    # the engine admitted it), not 0
+                    assert record.usage_source == "counted_by_gateway", record
+                    assert record.prompt_tokens > 0 and record.output_tokens >= res.texts > 0, (record, res)
                     cut.append(record)
             failed_over = [r for r in served if r.routing_reason.startswith("failover")]
             assert cut, "the victim was streaming when it was killed"
