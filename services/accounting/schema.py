@@ -293,16 +293,22 @@ SELECT hour, worker_id, model_id, pool, api_key_id, busy_j, estimated_j, output_
 FROM rated
 """
 
-# Month-to-date measured joules per API key (KeyEnergyQuery; docs/accounting.md, "Tables"): the busy_j of
-# key_energy_hourly, computed fresh. An hour whose rollup is current is read from key_energy_hourly; an hour
-# still in rollup_dirty (its raw rows changed since the last refresh) from the raw shares, with the
-# refresh's own rule, without writing anything. Dirty hours older than the raw cutoff keep their joules
-# (they are only priced again), so they are read from the rollup like clean ones.
-# $1, $2: the month's [start, end); $3: the raw cutoff (hours from it on are recomputed from raw rows).
+# Month-to-date measured joules per API key (KeyEnergyQuery; docs/accounting.md, "Tables"): the busy_j the
+# key rollups will hold after the next refresh, without waiting for it or writing anything. A day with no
+# dirty hour is read from key_energy_daily (a few rows per key); in the days that have one, an hour whose
+# rollup is current from key_energy_hourly, and an hour still in rollup_dirty (its raw rows changed since
+# the last refresh) from the raw shares by the refresh's own rule. Dirty hours older than the raw cutoff
+# keep their joules (they are only priced again), so they are read from the rollups like current ones.
+# $1, $2: the month's [start, end); $3, $4: the [lo, hi) midnights of the days with a dirty hour (empty:
+# none); $5: the raw cutoff (hours from it on are recomputed from raw rows).
 KEY_ENERGY_OF_CURRENT_HOURS = """
-SELECT api_key_id, sum(busy_j) FROM key_energy_hourly
-WHERE hour >= $1 AND hour < $2 AND api_key_id IS NOT NULL AND busy_j IS NOT NULL
-  AND hour NOT IN (SELECT hour FROM rollup_dirty WHERE hour >= $3)
+SELECT api_key_id, sum(busy_j) FROM (
+    SELECT api_key_id, busy_j FROM key_energy_daily
+    WHERE day >= $1::DATE AND day < $2::DATE AND NOT (day >= $3::DATE AND day < $4::DATE)
+    UNION ALL
+    SELECT api_key_id, busy_j FROM key_energy_hourly
+    WHERE hour >= $3 AND hour < $4 AND hour NOT IN (SELECT hour FROM rollup_dirty WHERE hour >= $5)
+) WHERE api_key_id IS NOT NULL AND busy_j IS NOT NULL
 GROUP BY api_key_id
 """
 # $1, $2: the [lo, hi) span of the dirty hours wanted (every dirty hour in it is wanted); $3: no request
