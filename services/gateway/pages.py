@@ -1,6 +1,8 @@
 """The admin pages, rendered on the server (jinja2, autoescaped; no build step): sign-in, Backends, Config,
-Usage & costs, Users (with each key's daily quota) and each user's own keys page. Handlers only; the rules
-live in auth.py, the form ↔ config mapping in config_form.py and the charts in charts.py (both pure).
+Usage & costs, Users (with each key's daily quota), Limits (every user's and key's limits and spend, also as
+``/admin/limits.json``) and each user's own keys page. Handlers only; the rules live in auth.py and limits.py,
+the form ↔ config mapping in config_form.py, the form ↔ limits mapping in limits_form.py and the charts in
+charts.py (all pure).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import hmac
 import json
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,12 +21,15 @@ from aiohttp import web
 from markupsafe import Markup
 
 from proto import subjects
-from services.common.http import HTTPError, read_form
-from services.gateway import charts, config_form
+from services.common.http import HTTPError, read_form, read_json_object
+from services.gateway import charts, config_form, limits_form
 from services.gateway.auth import LOGIN_CSRF_COOKIE, SESSION_COOKIE
 from services.gateway.identity import (
+    ApiKey,
     IdentityError,
+    Limits,
     Session,
+    User,
     check_password_rules,
     check_user_name,
     hash_password,
@@ -31,6 +37,7 @@ from services.gateway.identity import (
     parse_daily_quota,
     verify_password,
 )
+from services.gateway.limits import KINDS, key_principal, user_principal
 
 if TYPE_CHECKING:
     from services.gateway.service import GatewayService
@@ -89,6 +96,11 @@ class Pages:
         r.add_get("/admin/users", self.users_page)
         r.add_post("/admin/users", self.users_create)
         r.add_post("/admin/keys/{key_id}/quota", self.key_quota)
+        r.add_get("/admin/limits", self.limits_page)
+        r.add_post("/admin/limits/user/{user_id}", self.limits_user_save)
+        r.add_post("/admin/limits/key/{key_id}", self.limits_key_save)
+        r.add_get("/admin/limits.json", self.limits_json)
+        r.add_put("/admin/limits.json", self.limits_json_put)
         r.add_get("/account", self.account_page)
         r.add_post("/account/keys", self.key_create)
         r.add_post("/account/keys/{key_id}/rotate", self.key_rotate)
@@ -296,6 +308,131 @@ class Pages:
         except IdentityError as exc:
             return self._users_view(session, 400, error=f"{exc.field}: {exc.message}")
         return self._users_view(session, created=name)
+
+    # ---- Limits (services/gateway/limits.py; the form ↔ limits mapping in limits_form.py) ----------------
+
+    def _limit_targets(self, now: float) -> tuple[list[User], list[tuple[ApiKey, str]]]:
+        """Every user; every usable key with its user's name (by user, then key name)."""
+        users = self.auth.store.users()
+        names = {u.user_id: u.name for u in users}
+        keys = sorted((k for k in self.auth.store.keys_of(None) if k.is_valid(now)),
+                      key=lambda k: (names.get(k.user_id, ""), k.name, k.key_id))
+        return users, [(k, names.get(k.user_id, "?")) for k in keys]
+
+    def _limits_view(self, session: Session, status: int = 200, saved: str = "", refused: str = "",
+                     texts: dict[str, str] | None = None, errors: dict[str, str] | None = None) -> web.Response:
+        """``refused``: the row (``user-<id>`` / ``key-<key_id>``) whose form was refused, with what it sent
+        (``texts``) and the reason (``errors``), by kind."""
+        now = time.time()
+        book = self.auth.book
+        energy_age_s = None if book.energy_as_of_s is None else now - book.energy_as_of_s
+
+        def cells(row_id: str, limits: Limits, principal_id: str) -> list[dict[str, str]]:
+            mine = row_id == refused
+            return limits_form.cells(limits, book.spend(principal_id, now), energy_age_s,
+                                     (texts or {}) if mine else {}, (errors or {}) if mine else {})
+
+        users, keys = self._limit_targets(now)
+        user_rows = [{"row_id": f"user-{u.user_id}", "action": f"/admin/limits/user/{u.user_id}", "name": u.name,
+                      "role": u.role, "what": f"user {u.name}",
+                      "cells": cells(f"user-{u.user_id}", self.auth.store.limits_of(user_principal(u.user_id)),
+                                     user_principal(u.user_id))} for u in users]
+        key_rows = [{"row_id": f"key-{k.key_id}", "action": f"/admin/limits/key/{k.key_id}", "user": user,
+                     "name": k.name, "hint": k.hint, "key_id": k.key_id,
+                     "lineage": k.lineage if k.lineage and k.lineage != k.key_id else "",
+                     "what": f"key {k.name} ({k.key_id})",
+                     "cells": cells(f"key-{k.key_id}", self.auth.store.key_limits(k),
+                                    key_principal(k.lineage or k.key_id))}
+                    for k, user in keys]
+        saved_what = next((r["what"] for r in (*user_rows, *key_rows) if r["row_id"] == saved), "")
+        return self.render("limits.html", status, title="Limits", page="limits", session=session, users=user_rows,
+                           keys=key_rows, labels=list(limits_form.LABELS.values()), saved=saved_what,
+                           refused=bool(errors),
+                           energy_age=None if energy_age_s is None else limits_form.age_text(energy_age_s),
+                           reserve_output_tokens=self.gw.file_config.limits.reserve_output_tokens,
+                           energy_poll_s=self.gw.config.key_energy_poll_s)
+
+    def _limits_form_saved(self, session: Session, form: dict[str, str], row_id: str,
+                           save: Callable[[dict[str, int | float | None]], object]) -> web.Response:
+        values, errors = limits_form.from_form(form)
+        if not errors:
+            try:
+                save(values)
+            except IdentityError as exc:
+                errors = {"tokens_per_day" if exc.field == "daily_quota" else exc.field: exc.message}
+        if errors:
+            texts = {kind: text for kind, text in form.items() if kind in KINDS}
+            return self._limits_view(session, 400, refused=row_id, texts=texts, errors=errors)
+        raise web.HTTPSeeOther(f"/admin/limits?saved={row_id}#{row_id}")
+
+    async def limits_page(self, request: web.Request) -> web.Response:
+        session = self.auth.page_user(request, time.time(), admin=True)
+        return self._limits_view(session, saved=request.query.get("saved", ""))
+
+    async def limits_user_save(self, request: web.Request) -> web.Response:
+        session = self.auth.page_user(request, time.time(), admin=True)
+        form = await self._form(request, session)
+        user = self.auth.store.user(request.match_info["user_id"])
+        if user is None:
+            raise HTTPError(404, "no such user", code="user_not_found")
+        principal = user_principal(user.user_id)
+        return self._limits_form_saved(session, form, f"user-{user.user_id}",
+                                       lambda values: self.auth.store.change_limits(principal, values))
+
+    async def limits_key_save(self, request: web.Request) -> web.Response:
+        session = self.auth.page_user(request, time.time(), admin=True)
+        form = await self._form(request, session)
+        key = self.auth.store.key_by_id(request.match_info["key_id"])
+        if key is None:
+            raise HTTPError(404, "no such key", code="key_not_found")
+        return self._limits_form_saved(session, form, f"key-{key.key_id}",
+                                       lambda values: self.auth.store.change_key_limits(key.key_id, values))
+
+    def _user_json(self, user: User, now: float) -> dict[str, Any]:
+        principal = user_principal(user.user_id)
+        return {"user_id": user.user_id, "name": user.name, "role": user.role,
+                "limits": limits_form.as_json(self.auth.store.limits_of(principal)),
+                "spend": limits_form.spend_json(self.auth.book.spend(principal, now))}
+
+    def _key_json(self, key: ApiKey, user: str, now: float) -> dict[str, Any]:
+        lineage = key.lineage or key.key_id
+        return {"key_id": key.key_id, "user": user, "name": key.name, "hint": key.hint, "lineage": lineage,
+                "limits": limits_form.as_json(self.auth.store.key_limits(key)),
+                "spend": limits_form.spend_json(self.auth.book.spend(key_principal(lineage), now))}
+
+    async def limits_json(self, request: web.Request) -> web.Response:
+        now = time.time()
+        self.auth.api_user(request, now, admin=True)
+        users, keys = self._limit_targets(now)
+        return web.json_response({"users": [self._user_json(u, now) for u in users],
+                                  "keys": [self._key_json(k, user, now) for k, user in keys],
+                                  "energy_as_of_s": self.auth.book.energy_as_of_s})
+
+    async def limits_json_put(self, request: web.Request) -> web.Response:
+        """``{"user": NAME}`` or ``{"key_id": ID}`` and any of the five kinds (null clears, absent keeps)."""
+        now = time.time()
+        self.auth.api_user(request, now, admin=True)
+        body = await read_json_object(request)
+        try:
+            target, name = limits_form.target_from_json(body)
+            changes = limits_form.changes_from_json(body)
+        except IdentityError as exc:
+            code = ("invalid_limit" if exc.field in KINDS else
+                    "invalid_target" if exc.field in limits_form.TARGET_FIELDS else "unknown_parameter")
+            raise HTTPError(400, f"{exc.field}: {exc.message}", param=exc.field, code=code) from None
+        if target == "user":
+            user = next((u for u in self.auth.store.users() if u.name == name), None)
+            if user is None:
+                raise HTTPError(404, f"no user named {name!r}", param="user", code="user_not_found")
+            self.auth.store.change_limits(user_principal(user.user_id), changes)
+            return web.json_response(self._user_json(user, now))
+        key = self.auth.store.key_by_id(name)
+        if key is None:
+            raise HTTPError(404, f"no key with id {name!r}", param="key_id", code="key_not_found")
+        self.auth.store.change_key_limits(key.key_id, changes)
+        key = self.auth.store.key_by_id(key.key_id) or key  # set_quota reloads the keys: the new quota
+        owner = self.auth.store.user(key.user_id)
+        return web.json_response(self._key_json(key, owner.name if owner else "?", now))
 
     # ---- a user's own keys ------------------------------------------------------------------------
 

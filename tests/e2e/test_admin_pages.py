@@ -37,6 +37,7 @@ from services.common.nats_server import EmbeddedNatsServer
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.worker import BusWorker, WorkerConfig
+from services.gateway.identity import hash_password
 from services.gateway.service import GatewayConfig, GatewayService
 from tests.e2e.procs import REPO, Followed
 from tests.integration.conftest import wait_for
@@ -304,12 +305,12 @@ async def test_every_page_fits_a_phone_screen(site: Site) -> None:
     problems["backends"] = await _phone_width_problems(page)
     await _shot(page, "admin-backends-phone")
     for name, path in (("config", "/admin/config/page"), ("costs", "/admin/costs"), ("users", "/admin/users"),
-                       ("account", "/account")):
+                       ("limits", "/admin/limits"), ("account", "/account")):
         await page.goto(site.url + path)  # type: ignore[attr-defined]
         problems[name] = await _phone_width_problems(page)
         await _shot(page, f"phone-{name}", to_docs=False)
     assert {name: why for name, why in problems.items() if why} == {}
-    assert len(problems) == 6
+    assert len(problems) == 7
 
 
 # ---- the identity commands as subprocesses ------------------------------------------------------------
@@ -412,3 +413,98 @@ async def test_llmgw_admin_create_user_then_that_user_signs_in(nats_server: Embe
         assert made.returncode == 0, made.stderr
         async with _jar() as http:
             assert await _signed_in(http, url, "carol", PASSWORD) == (303, "/backends")
+
+
+@needs_chromium
+async def test_an_admin_sets_a_users_requests_per_minute_on_the_limits_page_and_it_binds_at_once(site: Site) -> None:
+    store = site.gateway.auth.store
+    dora = store.create_user("dora", hash_password(PASSWORD), "user")
+    dora_key, dora_record = store.create_key(dora.user_id, "dora-notebook", None, time.time())
+    page = site.page
+    await _sign_in(site)
+    await page.click("nav >> text=Limits")  # type: ignore[attr-defined]
+    await page.wait_for_url("**/admin/limits")  # type: ignore[attr-defined]
+    row = page.locator(f"#user-{dora.user_id}")  # type: ignore[attr-defined]
+    await row.locator("input[name=requests_per_minute]").fill("2")
+    await row.locator("button", has_text="Save").click()
+    await page.wait_for_selector("text=Limits of user dora saved")  # type: ignore[attr-defined]
+    row = page.locator(f"#user-{dora.user_id}")  # type: ignore[attr-defined]
+    assert await row.locator("input[name=requests_per_minute]").input_value() == "2"
+    assert (await row.locator("[data-spend=requests_per_minute]").text_content()).strip() == \
+        "0 / 2 requests this minute"
+
+    # it binds dora's next requests: two in this minute, then 429 (far enough from the minute's end that
+    # the three requests and the page below see one window)
+    if (left_s := 60.0 - time.time() % 60.0) < 15.0:
+        await asyncio.sleep(left_s + 0.5)
+    client = openai.AsyncOpenAI(base_url=site.url + "/v1", api_key=dora_key, max_retries=0)
+    for _ in range(2):
+        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert refused.value.code == "rate_limit_exceeded"
+    assert refused.value.response.headers["x-ratelimit-limit-requests"] == "2"
+    assert refused.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert int(refused.value.response.headers["Retry-After"]) >= 1
+    await page.goto(site.url + "/admin/limits")  # type: ignore[attr-defined]
+    user_spend = page.locator(f"#user-{dora.user_id} [data-spend=requests_per_minute]")  # type: ignore[attr-defined]
+    assert (await user_spend.text_content()).strip() == "2 / 2 requests this minute"  # the refused one not counted
+    key_spend = page.locator(f"#key-{dora_record.key_id} [data-spend=requests_per_minute]")  # type: ignore[attr-defined]
+    assert (await key_spend.text_content()).strip() == "2 requests this minute, no limit"
+    await _shot(page, "admin-limits", to_docs=False)
+
+    # a bad value: 400, the field marked with the reason, what was typed kept, the stored limit unchanged
+    row = page.locator(f"#user-{dora.user_id}")  # type: ignore[attr-defined]
+    await row.locator("input[name=requests_per_minute]").fill("-3")
+    async with page.expect_response(lambda r: r.request.method == "POST") as posted:  # type: ignore[attr-defined]
+        await row.locator("button", has_text="Save").click()
+    assert (await posted.value).status == 400
+    field = page.locator(f"#user-{dora.user_id} input[name=requests_per_minute]")  # type: ignore[attr-defined]
+    assert await field.get_attribute("aria-invalid") == "true"
+    assert await field.input_value() == "-3"
+    error = page.locator(f"#err-user-{dora.user_id}-requests_per_minute")  # type: ignore[attr-defined]
+    assert "must be a positive number" in await error.text_content()
+    assert await page.locator("[role=alert]", has_text="Limits not saved").count() == 1  # type: ignore[attr-defined]
+    assert store.limits_of(f"user-{dora.user_id}").requests_per_minute == 2
+
+    # not for users: dora's session and dora's key get 403; no credentials at all, 401
+    async with _jar() as http:
+        assert (await _signed_in(http, site.url, "dora", PASSWORD))[0] == 303
+        async with http.get(site.url + "/admin/limits") as r:
+            assert r.status == 403
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {dora_key}"}) as http:
+        async with http.get(site.url + "/admin/limits.json") as r:
+            assert r.status == 403
+        async with http.put(site.url + "/admin/limits.json", json={"user": "dora", "requests_per_minute": None}) as r:
+            assert r.status == 403
+    async with aiohttp.ClientSession() as http, http.get(site.url + "/admin/limits.json") as r:
+        assert r.status == 401
+    assert store.limits_of(f"user-{dora.user_id}").requests_per_minute == 2
+
+    # the JSON route round-trips, with the admin's key: null clears, absent keeps
+    admin = {"Authorization": f"Bearer {site.gateway.bootstrap[1]}"}  # type: ignore[index]
+    async with aiohttp.ClientSession(headers=admin) as http:
+        async with http.put(site.url + "/admin/limits.json",
+                            json={"user": "dora", "requests_per_minute": None, "usd_per_month": 3.5}) as r:
+            assert r.status == 200
+            assert (await r.json())["limits"] == {"tokens_per_day": None, "requests_per_minute": None,
+                                                  "tokens_per_minute": None, "usd_per_month": 3.5,
+                                                  "kwh_per_month": None}
+        async with http.put(site.url + "/admin/limits.json",
+                            json={"key_id": dora_record.key_id, "tokens_per_day": 9000, "tokens_per_minute": 500}) as r:
+            assert r.status == 200
+        async with http.get(site.url + "/admin/limits.json") as r:
+            listed = await r.json()
+        async with http.put(site.url + "/admin/limits.json", json={"user": "dora", "tokens_per_minute": 1.5}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "tokens_per_minute"
+        async with http.put(site.url + "/admin/limits.json", json={"user": "nobody", "tokens_per_minute": 5}) as r:
+            assert r.status == 404
+    user_entry = next(u for u in listed["users"] if u["name"] == "dora")
+    assert user_entry["limits"]["usd_per_month"] == 3.5 and user_entry["limits"]["requests_per_minute"] is None
+    assert user_entry["spend"]["requests_per_minute"] == 2
+    key_entry = next(k for k in listed["keys"] if k["key_id"] == dora_record.key_id)
+    assert (key_entry["user"], key_entry["lineage"]) == ("dora", dora_record.key_id)
+    assert (key_entry["limits"]["tokens_per_day"], key_entry["limits"]["tokens_per_minute"]) == (9000, 500)
+    assert store.key_by_id(dora_record.key_id).daily_quota == 9000  # type: ignore[union-attr]  # the key's quota
+    assert "energy_as_of_s" in listed

@@ -92,7 +92,8 @@ async def replicas(nats_server: EmbeddedNatsServer, model: Path, tmp_path: Path,
         yield Replicas(urls, gateways, accounting, test_nc)
 
 
-async def chat(api: openai.AsyncOpenAI, max_tokens: int = 8) -> openai.types.chat.ChatCompletion | openai.APIStatusError:
+async def chat(api: openai.AsyncOpenAI, max_tokens: int = 8
+               ) -> openai.types.chat.ChatCompletion | openai.APIStatusError:
     try:
         return await api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
                                                  max_tokens=max_tokens)
@@ -205,7 +206,7 @@ async def test_a_kwh_budget_refuses_once_the_ledgers_attributed_energy_of_the_mo
         user = gw.identity.create_user("gus", hash_password("gus-password-1"), "user")
         budget_kwh = 0.001  # 3,600 J
         gw.identity.set_limits(user_principal(user.user_id), Limits(kwh_per_month=budget_kwh))
-        key, record = gw.identity.create_key(user.user_id, "k", None, time.time())
+        key, _ = gw.identity.create_key(user.user_id, "k", None, time.time())
         raw = await r.sdk(key).chat.completions.with_raw_response.create(
             model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=8)
         request_id = raw.headers["x-request-id"]
