@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 MIN_HEARTBEAT_SPACING_S = 0.05  # on-change heartbeats are rate-limited to 20 Hz
 # How long a cancelled request waits for the engine's count of what it used (one step, normally ms).
-ABORT_REPORT_TIMEOUT_S = 2.0
+ABORT_REPORT_TIMEOUT_S = 8.0
 
 
 @dataclass(frozen=True)

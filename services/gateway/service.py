@@ -72,8 +72,9 @@ USAGE_BATCH = 256  # usage records sent before waiting for their acks
 NEGATIVE_AUTH_DELAY_S = 0.25
 # How often each gateway tells the others its per-key token counts (a quota may overrun by this much traffic).
 QUOTA_SHARE_S = 1.0
-# After a cancel, how long the gateway waits for the engine's count of what the request used.
-ABORT_REPORT_WAIT_S = 3.0
+# After a cancel, how long the gateway waits for the engine's count of what the request used (normally one
+# engine step, milliseconds; a loaded 2-core host has taken over 2 s). The wait runs in the background.
+ABORT_REPORT_WAIT_S = 10.0
 _json = msgspec.json.Encoder()
 RATE_HEADERS = web.RequestKey("llmgw.rate_headers", dict)  # the x-ratelimit-* headers a request's answer carries
 
@@ -828,11 +829,16 @@ class GatewayService:
     @staticmethod
     async def _abort_report(stream: bus_backend.BusStream, meter: UsageMeter) -> None:
         """Read a cancelled request's last chunks: the engine's final ``abort`` chunk says what it used."""
+        started = time.monotonic()
         try:
             async for chunk in stream.rest(ABORT_REPORT_WAIT_S):
                 meter.saw_tokens(len(chunk.token_ids))
                 if chunk.is_final and chunk.usage is not None:  # an abort's count, or an end already on its way
                     meter.finished(chunk.usage, "engine" if chunk.finish_reason == "abort" else "member")
+            if not meter.is_final:
+                log.warning("no abort report from %s within %.1f s: billed the %d tokens the gateway saw",
+                            stream.first.worker_id or "the engine", time.monotonic() - started,
+                            meter.output_tokens_seen)
         except Exception as exc:  # the report is a bonus: what was counted stands
             log.debug("abort report not read: %s", exc)
         finally:

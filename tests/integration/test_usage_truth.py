@@ -127,7 +127,7 @@ class Fleet:
     async def rows(self, n: int, timeout_s: float = 30.0) -> dict[str, dict]:  # type: ignore[type-arg]
         """The ledger's request rows once ``n`` are in (and no more come within a moment)."""
         sql = ("SELECT request_id, status, http_status, prompt_tokens, output_tokens, usage_source, model, "
-               "api_key_id FROM requests")
+               "api_key_id, error_code, member FROM requests")
         async with asyncio.timeout(timeout_s):
             while True:
                 columns, rows = await self.accounting.run_sql(sql)
@@ -144,7 +144,8 @@ class Fleet:
 
 
 @contextlib.asynccontextmanager
-async def fleet(nats_server: EmbeddedNatsServer, model: Path, tmp_path: Path) -> AsyncIterator[Fleet]:
+async def fleet(nats_server: EmbeddedNatsServer, model: Path, tmp_path: Path, **gateway_config: object
+                ) -> AsyncIterator[Fleet]:
     async with contextlib.AsyncExitStack() as es:
         member = VllmMember()
         member.url = await es.enter_async_context(serving(member.app(), "127.0.0.1", 0))
@@ -165,7 +166,8 @@ async def fleet(nats_server: EmbeddedNatsServer, model: Path, tmp_path: Path) ->
         worker = BusWorker(engine_nc, engine, WorkerConfig(worker_id="w1", heartbeat_interval_s=0.2))
         accounting = AccountingService(acct_nc, AccountingConfig(db_path=tmp_path / "ledger.duckdb",
                                                                  fetch_timeout_s=0.2))
-        gateway = GatewayService(gw_nc, GatewayConfig(gateway_id="gw1", port=0, data_dir=tmp_path))
+        gateway = GatewayService(gw_nc, GatewayConfig(gateway_id="gw1", port=0, data_dir=tmp_path,
+                                                      **gateway_config))  # type: ignore[arg-type]
         tasks = [asyncio.create_task(worker.run()), asyncio.create_task(accounting.run())]
         await es.enter_async_context(gateway.running())
         url = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
@@ -193,8 +195,10 @@ async def raw_stream(base_url: str, key: str, body: dict, cut_after_events: int 
                  + b"\r\n\r\n" + payload)
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")
-    request_id = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"x-request-id:"))
+    ids = [line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
+           if line.lower().startswith(b"x-request-id:")]
+    assert ids, f"no X-Request-Id: {head!r} {await reader.read(2000)!r}"
+    request_id = ids[0]
     events, usage = 0, None
     buffer = b""
     try:
