@@ -18,19 +18,16 @@ import openai
 import pytest
 
 from proto import EnergyReading, EnergySample, RequestTokens, encode, subjects
-from services.accounting.service import AccountingConfig, AccountingService
-from services.common.bus import connect, ensure_bus
+from services.accounting.service import AccountingService
+from services.common.bus import connect
 from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer
-from services.engine.async_engine import AsyncEngine
-from services.engine.engine_core import EngineConfig, EngineCore
-from services.engine.worker import BusWorker, WorkerConfig
 from services.gateway import pools
 from services.gateway import service as gateway_service
 from services.gateway.identity import hash_password
 from services.gateway.limits import Limits, key_principal, user_principal
 from services.gateway.service import GatewayConfig, GatewayService
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import start_engine_and_ledger, wait_for
 
 PROMPT = "count to five"
 
@@ -60,26 +57,15 @@ class Replicas:
 async def replicas(nats_server: EmbeddedNatsServer, model: Path, tmp_path: Path, n: int = 2,
                    key_energy_poll_s: float = 5.0) -> AsyncIterator[Replicas]:
     async with contextlib.AsyncExitStack() as es:
-        clients = []
-        for name in ["engine", "accounting", "test"] + [f"gw{i}" for i in range(n)]:
-            c = await connect(nats_server.url, name)
-            clients.append(c)
-            es.push_async_callback(c.drain)
-        engine_nc, acct_nc, test_nc, *gw_ncs = clients
-        await ensure_bus(test_nc)
-        core = EngineCore(EngineConfig(model_path=model, model_id="tiny", kv_capacity_tokens=8192,
-                                       max_concurrency=8, max_pending_requests=64))
-        engine = await es.enter_async_context(AsyncEngine(core))
-        worker = BusWorker(engine_nc, engine, WorkerConfig(worker_id="w1", heartbeat_interval_s=0.2))
-        accounting = AccountingService(acct_nc, AccountingConfig(db_path=tmp_path / "ledger.duckdb",
-                                                                 fetch_timeout_s=0.2))
-        tasks = [asyncio.create_task(worker.run()), asyncio.create_task(accounting.run())]
-
-        async def stop_tasks() -> None:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        es.push_async_callback(stop_tasks)
+        parts = await start_engine_and_ledger(es, nats_server.url, model, tmp_path, kv_capacity_tokens=8192,
+                                              max_concurrency=8, max_pending_requests=64)
+        accounting = parts.accounting
+        test_nc = await connect(nats_server.url, "test")
+        es.push_async_callback(test_nc.drain)
+        gw_ncs = []
+        for i in range(n):
+            gw_ncs.append(await connect(nats_server.url, f"gw{i}"))
+            es.push_async_callback(gw_ncs[-1].drain)
         gateways, urls = [], []
         for i, gw_nc in enumerate(gw_ncs):
             g = GatewayService(gw_nc, GatewayConfig(gateway_id=f"gw{i}", port=0, data_dir=tmp_path / f"gw{i}",

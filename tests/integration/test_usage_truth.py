@@ -28,17 +28,15 @@ import openai
 import pytest
 from aiohttp import web
 
-from services.accounting.service import AccountingConfig, AccountingService
-from services.common.bus import connect, ensure_bus
+from services.accounting.service import AccountingService
+from services.common.bus import connect
 from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer
-from services.engine.async_engine import AsyncEngine
-from services.engine.engine_core import EngineConfig, EngineCore, RequestOutput
-from services.engine.worker import BusWorker, WorkerConfig
+from services.engine.engine_core import RequestOutput
 from services.gateway import pools
 from services.gateway.identity import hash_password
 from services.gateway.service import GatewayConfig, GatewayService
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import start_engine_and_ledger, wait_for
 
 HTTP_MODEL = "vllm-model"
 # What the HTTP member may have streamed past the gateway's last read when the cut came (events in the
@@ -151,33 +149,18 @@ async def fleet(nats_server: EmbeddedNatsServer, model: Path, tmp_path: Path, **
         member.url = await es.enter_async_context(serving(member.app(), "127.0.0.1", 0))
         (tmp_path / "pools.json").write_text(json.dumps({"model_pools": {HTTP_MODEL: {"members": [
             {"model_id": HTTP_MODEL, "backend": member.url}]}}}))
-        clients = []
-        for name in ("engine", "accounting", "gateway"):
-            c = await connect(nats_server.url, name)
-            clients.append(c)
-            es.push_async_callback(c.drain)
-        engine_nc, acct_nc, gw_nc = clients
-        await ensure_bus(gw_nc)
-        core = EngineCore(EngineConfig(model_path=model, model_id="tiny", kv_capacity_tokens=8192,
-                                       max_concurrency=8, max_pending_requests=64))
-        engine = await es.enter_async_context(AsyncEngine(core))
+        parts = await start_engine_and_ledger(es, nats_server.url, model, tmp_path, kv_capacity_tokens=8192,
+                                              max_concurrency=8, max_pending_requests=64)
         outputs: dict[str, RequestOutput] = {}
-        engine.on_outputs(lambda outs: outputs.update({o.request_id: o for o in outs if o.finished}))
-        worker = BusWorker(engine_nc, engine, WorkerConfig(worker_id="w1", heartbeat_interval_s=0.2))
-        accounting = AccountingService(acct_nc, AccountingConfig(db_path=tmp_path / "ledger.duckdb",
-                                                                 fetch_timeout_s=0.2))
+        parts.engine.on_outputs(lambda outs: outputs.update({o.request_id: o for o in outs if o.finished}))
+        gw_nc = await connect(nats_server.url, "gateway")
+        es.push_async_callback(gw_nc.drain)
         gateway = GatewayService(gw_nc, GatewayConfig(gateway_id="gw1", port=0, data_dir=tmp_path,
                                                       **gateway_config))  # type: ignore[arg-type]
-        tasks = [asyncio.create_task(worker.run()), asyncio.create_task(accounting.run())]
         await es.enter_async_context(gateway.running())
         url = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
         await wait_for(lambda: "tiny" in pools.model_names(gateway.file_config, gateway.fleet))
-
-        async def stop_tasks() -> None:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        es.push_async_callback(stop_tasks)
+        accounting = parts.accounting
         user = gateway.identity.create_user("carol", hash_password("carol-password-1"), "user")
         key, record = gateway.identity.create_key(user.user_id, "laptop", None, time.time())
         yield Fleet(url, gateway, accounting, member, outputs, key, record.key_id)
