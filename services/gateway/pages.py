@@ -465,7 +465,26 @@ class Pages:
         totals = {field: _total(k[field] for k in keys) for field in ("tokens_30d", "list_usd_30d", "energy_usd_30d")}
         return self.render("account.html", status, title="My keys & usage", page="account", session=session,
                            keys=keys, totals=totals, usage_error=usage_error, new_key=new_key,
-                           new_key_name=new_key_name, error=error)
+                           new_key_name=new_key_name, error=error, limits=self._own_limits(session, own, now))
+
+    def _own_limits(self, session: Session, own: list[ApiKey], now: float) -> list[dict[str, str]]:
+        """The limits that bind the signed-in user (its own, and each usable key's), with what counts
+        against each now: a user sees why a 429 came before it comes."""
+        book = self.auth.book
+        energy_age_s = None if book.energy_as_of_s is None else now - book.energy_as_of_s
+        targets = [("you (every key)", user_principal(session.user.user_id),
+                    self.auth.store.limits_of(user_principal(session.user.user_id)))]
+        targets += [(f"key {k.name}", key_principal(k.lineage or k.key_id), self.auth.store.key_limits(k))
+                    for k in own if k.is_valid(now)]
+        rows = []
+        for who, principal, limits in targets:
+            spend = book.spend(principal, now)
+            for kind in KINDS:
+                limit = limits.get(kind)
+                if limit is not None:
+                    rows.append({"who": who, "kind": limits_form.LABELS[kind],
+                                 "spend": limits_form.spend_text(kind, spend[kind], limit, energy_age_s)})
+        return rows
 
     async def account_page(self, request: web.Request) -> web.Response:
         return await self._account_view(self.auth.page_user(request, time.time(), admin=False))

@@ -472,6 +472,10 @@ async def test_an_admin_sets_a_users_requests_per_minute_on_the_limits_page_and_
         assert (await _signed_in(http, site.url, "dora", PASSWORD))[0] == 303
         async with http.get(site.url + "/admin/limits") as r:
             assert r.status == 403
+        async with http.get(site.url + "/account") as r:  # but dora sees what binds her, on her own page
+            own = await r.text()
+        assert r.status == 200 and 'id="own-limits"' in own
+        assert "you (every key)" in own and "2 / 2 requests this minute" in own
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {dora_key}"}) as http:
         async with http.get(site.url + "/admin/limits.json") as r:
             assert r.status == 403
