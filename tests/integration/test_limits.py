@@ -116,7 +116,6 @@ async def test_a_users_daily_tokens_bind_every_key_it_makes_and_32_parallel_requ
         # admitted while settled + reserved < 200: at most one reservation beyond the limit, however many
         # were in flight together
         assert used <= limit + reservation, (used, len(ok))
-        assert len(ok) <= limit // reservation + 1
         # a new key of the same user (no limit of its own) is refused too: the user's spend binds it
         second, _ = gw.identity.create_key(user.user_id, "second", None, time.time())
         again = await chat(r.sdk(second))
@@ -134,15 +133,17 @@ async def test_a_rotated_key_carries_its_counters_and_a_key_limit_binds_under_a_
         gw = r.gateways[0]
         user = gw.identity.create_user("erin", hash_password("erin-password-1"), "user")
         gw.identity.set_limits(user_principal(user.user_id), Limits(tokens_per_day=1_000_000))
-        key, record = gw.identity.create_key(user.user_id, "ci", 40, time.time())  # the key's own 40 a day
-        first = await chat(r.sdk(key), max_tokens=40)
+        # the key's own 10 tokens a day: its first request (a chat-templated prompt of 13 characters is more
+        # than 10 tokens alone) is admitted with room left and spends them all
+        key, record = gw.identity.create_key(user.user_id, "ci", 10, time.time())
+        first = await chat(r.sdk(key), max_tokens=4)
         assert not isinstance(first, openai.APIStatusError)
         new_key, new_record = gw.identity.rotate_key(record.key_id, 0.0, time.time())
         assert new_record.lineage == record.key_id
         refused = await chat(r.sdk(new_key))
         assert isinstance(refused, openai.APIStatusError) and refused.status_code == 429
         assert refused.code == "quota_exceeded" and "this API key" in refused.message
-        assert gw.auth.used_today(new_record.key_id, time.time()) == first.usage.total_tokens  # type: ignore[union-attr]
+        assert gw.auth.used_today(new_record.key_id, time.time()) == first.usage.total_tokens > 10  # type: ignore[union-attr]
         # another key of the same user is not bound by the first key's limit
         other, _ = gw.identity.create_key(user.user_id, "other", None, time.time())
         assert not isinstance(await chat(r.sdk(other)), openai.APIStatusError)
