@@ -195,6 +195,11 @@ class EnergyReading(_Msg):
     energy_mj: int | None = None
     max_range_mj: int | None = None
     power_mw: int | None = None
+    # Appended: the counter in its native unit where that is finer than mJ (RAPL's energy_uj and
+    # max_energy_range_uj). A sender that has them still fills energy_mj/max_range_mj (= uj // 1000) for
+    # older readers; a reader takes the µJ delta when both readings of an interval carry energy_uj.
+    energy_uj: int | None = None
+    max_range_uj: int | None = None
 
 
 class RequestTokens(_Msg):

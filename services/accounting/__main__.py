@@ -15,6 +15,7 @@ from services.accounting.service import AccountingConfig, AccountingService, Dat
 from services.accounting.store import PriceBookEntry
 from services.common import pool_config
 from services.common.bus import bus_session, nats_url_from_env
+from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W
 from services.common.runtime import ConfigError, announce, data_dir, run_async_main, setup_logging
 
 
@@ -41,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--query-timeout", type=float, default=10.0, help="operator query limit in s (default 10)")
     parser.add_argument("--max-gap", type=float, default=60.0,
                         help="seconds between energy samples above which an interval is flagged as a gap")
+    parser.add_argument("--max-rapl-power-w", type=float, default=DEFAULT_MAX_RAPL_POWER_W,
+                        help="the most one RAPL zone (a CPU package) can draw: an interval long enough for its "
+                             "counter to run through its whole range at this power may hide a wrap and is "
+                             f"rapl_ambiguous, NULL (default {DEFAULT_MAX_RAPL_POWER_W:g})")
 
 
 def load_price_book(path: str | None) -> dict[str, PriceBookEntry]:
@@ -110,12 +115,15 @@ def build_config(args: argparse.Namespace, data: Path) -> AccountingConfig:
         raise ConfigError("retention-days", "must be > 0")
     if args.query_timeout <= 0:
         raise ConfigError("query-timeout", "must be > 0")
+    if not (math.isfinite(args.max_rapl_power_w) and args.max_rapl_power_w > 0):
+        raise ConfigError("max-rapl-power-w", f"must be a finite number of watts > 0, got {args.max_rapl_power_w}")
     return AccountingConfig(
         db_path=Path(args.db) if args.db else data / "accounting.duckdb",
         host=args.host, port=port, electricity_rate_usd_per_kwh=rate, tariff=tariff,
         price_book=price_book, retention_days=args.retention_days,
         export_dir=Path(args.export_dir) if args.export_dir else data / "exports",
-        query_timeout_s=args.query_timeout, limits=Limits(max_gap_s=args.max_gap),
+        query_timeout_s=args.query_timeout,
+        limits=Limits(max_gap_s=args.max_gap, max_rapl_power_w=args.max_rapl_power_w),
     )
 
 

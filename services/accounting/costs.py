@@ -26,8 +26,9 @@ class UsageTotals:
 
 @dataclass(frozen=True, kw_only=True)
 class EnergyTotals:
-    """Sums over rollup rows. ``measured_j``/``energy_usd``/``busy_j`` are None when nothing was measured;
-    ``busy_output_tokens`` counts only tokens produced inside measured intervals (J per token's divisor).
+    """Sums over rollup rows. ``measured_j``/``energy_usd``/``jpt_busy_j`` are None when nothing was measured.
+    J per output token is ``jpt_busy_j`` / ``busy_output_tokens``: the busy energy and the output tokens
+    (each counted once) of the windows in which every device of the worker was measured.
 
     Coverage has one basis per kind of group: device-seconds (``covered_s`` of ``device_s``) for days,
     models and members; output tokens (``busy_output_tokens`` of ``attributed_output_tokens``, the tokens
@@ -37,7 +38,7 @@ class EnergyTotals:
     measured_j: float | None = None
     energy_usd: float | None = None
     estimated_j: float | None = None
-    busy_j: float | None = None
+    jpt_busy_j: float | None = None
     busy_output_tokens: float = 0.0
     covered_s: float = 0.0
     device_s: float = 0.0
@@ -70,8 +71,8 @@ def summary(usage: UsageTotals | None, energy: EnergyTotals | None) -> dict[str,
         "energy_usd": e.energy_usd,
         "estimated_kwh": None if e.estimated_j is None else e.estimated_j / J_PER_KWH,
         "list_value_usd": u.list_value_usd,
-        "j_per_output_token": (e.busy_j / e.busy_output_tokens
-                               if e.busy_j is not None and e.busy_output_tokens > 0 else None),
+        "j_per_output_token": (e.jpt_busy_j / e.busy_output_tokens
+                               if e.jpt_busy_j is not None and e.busy_output_tokens > 0 else None),
         "methods": sorted(e.methods),
         "coverage_pct": e.coverage_pct,
     }
@@ -115,7 +116,7 @@ def add_energy(parts: Iterable[EnergyTotals]) -> EnergyTotals | None:
     return EnergyTotals(measured_j=known_sum([p.measured_j for p in items]),
                         energy_usd=known_sum([p.energy_usd for p in items]),
                         estimated_j=known_sum([p.estimated_j for p in items]),
-                        busy_j=known_sum([p.busy_j for p in items]),
+                        jpt_busy_j=known_sum([p.jpt_busy_j for p in items]),
                         busy_output_tokens=sum(p.busy_output_tokens for p in items),
                         covered_s=sum(p.covered_s for p in items), device_s=sum(p.device_s for p in items),
                         attributed_output_tokens=sum(p.attributed_output_tokens for p in items),
@@ -146,5 +147,6 @@ def build_costs(*, now: dt.datetime, num_days: int, rate_usd_per_kwh: float | No
                  "valid reading exists; estimated_kwh is never added into it. coverage_pct is the share of "
                  "device-time backed by valid readings. API keys carry busy energy only; idle energy "
                  "stays with the member and model. For an API key, coverage_pct is the share of its output "
-                 "tokens produced while a valid reading existed."),
+                 "tokens produced while every device it ran on had a valid reading. j_per_output_token is "
+                 "over the windows in which every device of the worker was measured."),
     }

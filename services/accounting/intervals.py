@@ -5,21 +5,23 @@ stored samples of one worker session into one :class:`Interval` per device prese
 each interval's energy over the requests that produced tokens in it (docs/accounting.md, "Intervals" and
 "Attribution"; DESIGN.md, "Energy accounting").
 
-Rules, in the order they are applied to one device between samples ``p`` and ``c`` (``c`` the next
-stored sample of the same session, by ``seq``):
+The energy of one device between samples ``p`` and ``c`` (``c`` the next stored sample of the same
+session, by ``seq``) follows the counter rules of ``services/common/energy_counter.py``, the one copy the
+engine's own ``/usage`` uses too: unavailable → NULL; kind/method changed → ``reset``; counter down →
+``reset``, or one corrected RAPL ``wrap``; a RAPL span long enough to hide a wrap → ``rapl_ambiguous``
+(NULL even when the counter rose); zero or negative time, or more than the device's power ceiling →
+``implausible``. On top of them, this module flags a ``gap``: samples missing in between (``seq``
+jumped) or more than ``max_gap_s`` between the two. The energy of a gap is kept: the counter is
+cumulative, so a lost sample loses no energy.
 
-- either reading unavailable (``energy_mj`` None) → energy NULL, method ``unavailable``;
-- the device's ``kind``/``method`` changed (e.g. NVML counter → power integration) → the two counters are
-  on different scales: energy NULL, flagged ``reset``;
-- counter went down: with ``max_range_mj`` (RAPL) one wrap is corrected (``delta + max_range``) and
-  flagged ``wrap``; without it the interval is a ``reset`` and its energy NULL — never negative, never
-  guessed;
-- a wrap over a span long enough to hold a second wrap at ``max_device_power_w`` is ambiguous: NULL,
-  flagged ``implausible`` as well as ``wrap``;
-- time going backwards, energy over zero time, or more than ``max_device_power_w`` on average →
-  NULL, flagged ``implausible``;
-- ``gap``: samples missing in between (``seq`` jumped) or more than ``max_gap_s`` between the two. The
-  energy of a gap is kept: the counter is cumulative, so a lost sample loses no energy.
+**A window** is the span between ``p`` and ``c`` for all the worker's devices together (a tensor-parallel
+worker lists several GPUs in every sample). Its tokens (the end sample's) are counted **once**: they sit
+on one of its intervals, the *token carrier* (the smallest ``device_id``), and are 0 on the others, while
+every interval keeps ``is_busy`` (the window made tokens) for the busy/idle split. The window
+``is_window_measured`` when every device listed in either sample has a measured interval (energy known,
+not ``estimated``): J per output token is computed over such windows only (docs/accounting.md, "Rollups").
+
+Time is integer microseconds as the ledger stores it (``ts_us``), so a duration is exact.
 
 The intervals are derived from what is *stored*, ordered by ``seq``, so a sample that arrives late
 replaces the interval that spanned it by two (the shell recomputes that neighbourhood), and a duplicate
@@ -28,10 +30,14 @@ changes nothing. Nothing here reads a clock.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from proto import EnergySample
+from services.common.energy_counter import US_PER_S, Counter, CounterLimits, counter_delta, epoch_us
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +49,13 @@ class Reading:
     method: str
     energy_mj: int | None
     max_range_mj: int | None = None
+    energy_uj: int | None = None  # RAPL's native unit, when the sender has it (appended to EnergyReading)
+    max_range_uj: int | None = None
+
+    @property
+    def counter(self) -> Counter:
+        return Counter(kind=self.kind, method=self.method, energy_mj=self.energy_mj, energy_uj=self.energy_uj,
+                       max_range_mj=self.max_range_mj, max_range_uj=self.max_range_uj)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,22 +69,38 @@ class TokenCount:
 
 @dataclass(frozen=True, kw_only=True)
 class Sample:
-    """One stored ``EnergySample`` of a worker session."""
+    """One stored ``EnergySample`` of a worker session. ``ts_us``: its time in whole microseconds, exactly
+    as stored (``energy_counter.epoch_us`` of the wire's ``ts_s``; DuckDB ``TIMESTAMPTZ`` resolution)."""
 
     seq: int
-    ts_s: float
+    ts_us: int
     model_id: str
     readings: Mapping[str, Reading] = field(default_factory=dict)  # device_id → reading
     tokens: Sequence[TokenCount] = ()
 
+    @property
+    def ts_s(self) -> float:
+        return self.ts_us / US_PER_S
+
+
+def sample_of(msg: EnergySample) -> Sample:
+    """A bus sample as the ledger stores it."""
+    return Sample(seq=msg.seq, ts_us=epoch_us(msg.ts_s), model_id=msg.model_id,
+                  readings={r.device_id: Reading(device_id=r.device_id, kind=r.kind, method=r.method,
+                                                 energy_mj=r.energy_mj, max_range_mj=r.max_range_mj,
+                                                 energy_uj=r.energy_uj, max_range_uj=r.max_range_uj)
+                            for r in msg.readings},
+                  tokens=[TokenCount(request_id=t.request_id, prompt_tokens=t.prompt_tokens,
+                                     output_tokens=t.output_tokens) for t in msg.request_tokens])
+
 
 @dataclass(frozen=True, kw_only=True)
-class Limits:
-    """What counts as plausible. ``max_gap_s``: longer than this between samples is a ``gap`` (the engine
-    samples every 5 s by default). ``max_device_power_w``: no device averages more (an H200 is 700 W)."""
+class Limits(CounterLimits):
+    """What counts as plausible: the counter limits (``max_device_power_w``, ``max_rapl_power_w``; defaults
+    and their evidence in ``energy_counter``) and ``max_gap_s``: longer than this between samples is a
+    ``gap`` (the engine samples every 5 s by default)."""
 
     max_gap_s: float = 60.0
-    max_device_power_w: float = 3000.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +109,10 @@ class Interval:
 
     ``energy_j`` is None when it cannot be known, and never negative. ``device_s`` is the device-time the
     interval covers (0 when time went backwards); it counts towards coverage only when ``energy_j`` is
-    known. ``prompt_tokens``/``output_tokens`` are the end sample's tokens (produced during the interval).
+    known. ``prompt_tokens``/``output_tokens`` are the end sample's tokens (produced during the window) on
+    the window's token carrier and 0 on its other devices' intervals, so a sum over intervals counts each
+    token once; ``is_busy`` says whether the window made any. ``is_window_measured``: every device of the
+    window has a measured energy (the windows J per output token is computed over).
     """
 
     device_id: str
@@ -89,26 +121,44 @@ class Interval:
     model_id: str
     start_seq: int
     end_seq: int
-    start_s: float
-    end_s: float
+    start_us: int
+    end_us: int
     energy_j: float | None
     is_reset: bool = False
     is_wrap: bool = False
     is_gap: bool = False
     is_implausible: bool = False
+    is_rapl_ambiguous: bool = False
     prompt_tokens: int = 0
     output_tokens: int = 0
+    is_busy: bool = False
+    is_window_measured: bool = False
+    is_token_carrier: bool = True
+
+    @property
+    def start_s(self) -> float:
+        return self.start_us / US_PER_S
+
+    @property
+    def end_s(self) -> float:
+        return self.end_us / US_PER_S
 
     @property
     def device_s(self) -> float:
-        return max(self.end_s - self.start_s, 0.0)
+        return max(self.end_us - self.start_us, 0) / US_PER_S
+
+    @property
+    def is_measured(self) -> bool:
+        """A valid reading by a measuring method (``estimated`` energy is never a measurement)."""
+        return self.energy_j is not None and self.method != "estimated"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Share:
     """Part of one interval's energy. ``request_id`` None is the idle share (belongs to the engine/model).
     ``energy_j`` None: the interval's energy is unknown; the share still says whose tokens were made in it
-    (an API key's coverage)."""
+    (an API key's coverage). Its tokens are the request's on the window's token carrier, 0 on the other
+    devices' shares of the same window."""
 
     request_id: str | None
     energy_j: float | None
@@ -117,48 +167,39 @@ class Share:
 
 
 def derive_intervals(samples: Sequence[Sample], limits: Limits) -> list[Interval]:
-    """Intervals between each pair of consecutive samples (sorted by ``seq`` here), per device in both."""
+    """Intervals between each pair of consecutive samples (sorted by ``seq`` here), per device in both.
+
+    Each window's tokens go on its token carrier only (the interval with the smallest ``device_id``) and
+    ``is_window_measured`` is set when every device listed in either sample has a measured interval."""
     ordered = sorted(samples, key=lambda s: s.seq)
     out: list[Interval] = []
     for prev, cur in itertools.pairwise(ordered):
-        for device_id, reading in cur.readings.items():
-            before = prev.readings.get(device_id)
-            if before is not None:
-                out.append(interval_between(prev, before, cur, reading, limits))
+        window = [interval_between(prev, before, cur, reading, limits)
+                  for device_id, reading in sorted(cur.readings.items())
+                  if (before := prev.readings.get(device_id)) is not None]
+        devices = prev.readings.keys() | cur.readings.keys()
+        is_window_measured = len(window) == len(devices) and all(iv.is_measured for iv in window)
+        out.extend(dataclasses.replace(iv, is_window_measured=is_window_measured) if k == 0 else
+                   dataclasses.replace(iv, is_window_measured=is_window_measured, prompt_tokens=0, output_tokens=0,
+                                       is_token_carrier=False)
+                   for k, iv in enumerate(window))
     return out
 
 
 def interval_between(prev: Sample, before: Reading, cur: Sample, after: Reading, limits: Limits) -> Interval:
-    """One device's interval from ``prev`` to ``cur`` (see the module docstring for the rules)."""
+    """One device's interval from ``prev`` to ``cur``, as the window's only device (its token carrier):
+    the counter rules of ``energy_counter.counter_delta``, plus the ``gap`` flag."""
     prompt = sum(t.prompt_tokens for t in cur.tokens)
     output = sum(t.output_tokens for t in cur.tokens)
-    dt_s = cur.ts_s - prev.ts_s
-    is_gap = cur.seq - prev.seq > 1 or dt_s > limits.max_gap_s
-
-    def make(energy_j: float | None, method: str, **flags: bool) -> Interval:
-        return Interval(device_id=after.device_id, kind=after.kind, method=method, model_id=cur.model_id,
-                        start_seq=prev.seq, end_seq=cur.seq, start_s=prev.ts_s, end_s=cur.ts_s, energy_j=energy_j,
-                        is_gap=is_gap, prompt_tokens=prompt, output_tokens=output, **flags)
-
-    if before.energy_mj is None or after.energy_mj is None:
-        return make(None, "unavailable")
-    if (before.kind, before.method) != (after.kind, after.method):
-        return make(None, after.method, is_reset=True)
-    delta_mj = after.energy_mj - before.energy_mj
-    is_wrap = False
-    if delta_mj < 0:
-        if not after.max_range_mj:
-            return make(None, after.method, is_reset=True)
-        delta_mj += after.max_range_mj
-        is_wrap = True
-        if delta_mj < 0:  # fell by more than the whole range: not a wrap
-            return make(None, after.method, is_reset=True)
-        if dt_s * limits.max_device_power_w * 1000 >= after.max_range_mj:  # room for a second, unseen wrap
-            return make(None, after.method, is_wrap=True, is_implausible=True)
-    energy_j = delta_mj / 1000
-    if dt_s < 0 or (dt_s == 0 and delta_mj > 0) or (dt_s > 0 and energy_j / dt_s > limits.max_device_power_w):
-        return make(None, after.method, is_wrap=is_wrap, is_implausible=True)
-    return make(energy_j, after.method, is_wrap=is_wrap)
+    dt_us = cur.ts_us - prev.ts_us
+    delta = counter_delta(before.counter, after.counter, dt_us, limits)
+    iv = Interval(device_id=after.device_id, kind=after.kind, method=delta.method, model_id=cur.model_id,
+                  start_seq=prev.seq, end_seq=cur.seq, start_us=prev.ts_us, end_us=cur.ts_us,
+                  energy_j=delta.energy_j, is_reset=delta.is_reset, is_wrap=delta.is_wrap,
+                  is_gap=cur.seq - prev.seq > 1 or dt_us > limits.max_gap_s * US_PER_S,
+                  is_implausible=delta.is_implausible, is_rapl_ambiguous=delta.is_rapl_ambiguous,
+                  prompt_tokens=prompt, output_tokens=output, is_busy=prompt + output > 0)
+    return dataclasses.replace(iv, is_window_measured=iv.is_measured)
 
 
 def attribute(interval: Interval, tokens: Sequence[TokenCount]) -> list[Share]:
@@ -168,7 +209,9 @@ def attribute(interval: Interval, tokens: Sequence[TokenCount]) -> list[Share]:
     (a prefill-only interval is busy, not idle). With no tokens at all the whole interval is one idle
     share. Shares are non-negative and sum to ``interval.energy_j`` (up to float rounding): attributed +
     idle = measured. An interval without a known energy gives the same requests shares with ``energy_j``
-    None (their tokens were made without a valid reading), and no idle share.
+    None (their tokens were made without a valid reading), and no idle share. Every device of a window is
+    split by the same weights; the shares' token counts are set on the token carrier's only, so a key's
+    tokens are counted once however many devices served them.
     """
     energy_j = interval.energy_j
     per_request: dict[str, list[int]] = {}
@@ -180,7 +223,8 @@ def attribute(interval: Interval, tokens: Sequence[TokenCount]) -> list[Share]:
     total = math.fsum(c[weight_index] for c in per_request.values())
     if total <= 0:
         return [] if energy_j is None else [Share(request_id=None, energy_j=energy_j)]
+    carries = interval.is_token_carrier
     return [Share(request_id=rid, energy_j=None if energy_j is None else energy_j * c[weight_index] / total,
-                  prompt_tokens=c[0], output_tokens=c[1])
+                  prompt_tokens=c[0] if carries else 0, output_tokens=c[1] if carries else 0)
             for rid, c in per_request.items() if c[weight_index] > 0]
 

@@ -58,7 +58,11 @@ CREATE TABLE IF NOT EXISTS energy_samples (
     energy_mj    BIGINT,
     max_range_mj BIGINT,
     power_mw     BIGINT,
-    PRIMARY KEY (worker_id, session_id, seq, device_id)
+    PRIMARY KEY (worker_id, session_id, seq, device_id),
+    -- Appended (COLUMN_MIGRATIONS adds them to an older ledger, in this order): the counter in µJ when the
+    -- sender has it (RAPL); NULL from NVML and from senders older than EnergyReading.energy_uj.
+    energy_uj    BIGINT,
+    max_range_uj BIGINT
 );
 CREATE TABLE IF NOT EXISTS sample_tokens (
     worker_id     VARCHAR NOT NULL,
@@ -86,9 +90,16 @@ CREATE TABLE IF NOT EXISTS energy_intervals (
     is_wrap        BOOLEAN NOT NULL,
     is_gap         BOOLEAN NOT NULL,
     is_implausible BOOLEAN NOT NULL,
+    -- The window's tokens, on its token carrier (the smallest device_id of the window) only: 0 on the
+    -- other devices' rows, so a sum over rows counts each token once (intervals.py, "A window").
     prompt_tokens  BIGINT NOT NULL,
     output_tokens  BIGINT NOT NULL,
-    PRIMARY KEY (worker_id, session_id, device_id, end_seq)
+    PRIMARY KEY (worker_id, session_id, device_id, end_seq),
+    -- Appended (COLUMN_MIGRATIONS): a RAPL span that could hide a wrap (energy NULL); the window made
+    -- tokens (busy, on every device's row); every device of the window was measured (J/token's windows).
+    is_rapl_ambiguous  BOOLEAN,
+    is_busy            BOOLEAN,
+    is_window_measured BOOLEAN
 );
 CREATE TABLE IF NOT EXISTS energy_attribution (
     worker_id     VARCHAR NOT NULL,
@@ -101,8 +112,9 @@ CREATE TABLE IF NOT EXISTS energy_attribution (
     method        VARCHAR NOT NULL,
     request_id    VARCHAR,            -- NULL: the idle share, which belongs to the engine/model
     energy_j      DOUBLE,             -- NULL: the interval's energy is unknown (the share still has tokens)
-    prompt_tokens BIGINT NOT NULL,
-    output_tokens BIGINT NOT NULL
+    prompt_tokens BIGINT NOT NULL,    -- on the window's token carrier only, as in energy_intervals
+    output_tokens BIGINT NOT NULL,
+    is_window_measured BOOLEAN        -- appended (COLUMN_MIGRATIONS): as in energy_intervals
 );
 CREATE TABLE IF NOT EXISTS parked (
     stream     VARCHAR NOT NULL,
@@ -130,24 +142,28 @@ CREATE TABLE IF NOT EXISTS energy_hourly (
     measured_j DOUBLE, estimated_j DOUBLE, busy_j DOUBLE, idle_j DOUBLE, busy_output_tokens DOUBLE,
     device_s DOUBLE NOT NULL, covered_s DOUBLE NOT NULL, energy_usd DOUBLE,
     num_intervals BIGINT NOT NULL, num_reset BIGINT NOT NULL, num_wrap BIGINT NOT NULL, num_gap BIGINT NOT NULL,
-    num_implausible BIGINT NOT NULL
+    num_implausible BIGINT NOT NULL,
+    num_rapl_ambiguous BIGINT, jpt_busy_j DOUBLE, output_tokens DOUBLE  -- appended (COLUMN_MIGRATIONS)
 );
 CREATE TABLE IF NOT EXISTS energy_daily (
     day DATE NOT NULL, worker_id VARCHAR NOT NULL, model_id VARCHAR NOT NULL, method VARCHAR NOT NULL,
     measured_j DOUBLE, estimated_j DOUBLE, busy_j DOUBLE, idle_j DOUBLE, busy_output_tokens DOUBLE,
     device_s DOUBLE NOT NULL, covered_s DOUBLE NOT NULL, energy_usd DOUBLE,
     num_intervals BIGINT NOT NULL, num_reset BIGINT NOT NULL, num_wrap BIGINT NOT NULL, num_gap BIGINT NOT NULL,
-    num_implausible BIGINT NOT NULL
+    num_implausible BIGINT NOT NULL,
+    num_rapl_ambiguous BIGINT, jpt_busy_j DOUBLE, output_tokens DOUBLE  -- appended (COLUMN_MIGRATIONS)
 );
 CREATE TABLE IF NOT EXISTS key_energy_hourly (
     hour TIMESTAMPTZ NOT NULL, worker_id VARCHAR NOT NULL, model_id VARCHAR NOT NULL, pool VARCHAR,
     api_key_id VARCHAR, busy_j DOUBLE, estimated_j DOUBLE, output_tokens DOUBLE NOT NULL, energy_usd DOUBLE,
-    method VARCHAR, measured_output_tokens DOUBLE
+    method VARCHAR, measured_output_tokens DOUBLE,
+    jpt_busy_j DOUBLE  -- appended (COLUMN_MIGRATIONS)
 );
 CREATE TABLE IF NOT EXISTS key_energy_daily (
     day DATE NOT NULL, worker_id VARCHAR NOT NULL, model_id VARCHAR NOT NULL, pool VARCHAR,
     api_key_id VARCHAR, busy_j DOUBLE, estimated_j DOUBLE, output_tokens DOUBLE NOT NULL, energy_usd DOUBLE,
-    method VARCHAR, measured_output_tokens DOUBLE
+    method VARCHAR, measured_output_tokens DOUBLE,
+    jpt_busy_j DOUBLE  -- appended (COLUMN_MIGRATIONS)
 );
 CREATE TABLE IF NOT EXISTS usage_hourly (
     hour TIMESTAMPTZ NOT NULL, model VARCHAR NOT NULL, pool VARCHAR NOT NULL, worker_id VARCHAR,
@@ -179,9 +195,69 @@ UPDATE key_energy_hourly SET measured_output_tokens = output_tokens WHERE measur
 UPDATE key_energy_daily SET measured_output_tokens = output_tokens WHERE measured_output_tokens IS NULL;
 """
 
+# Steps that add columns and fill them on a ledger that lacks them: each runs once, in one transaction,
+# when its (table, column) is missing (store.py checks). Appending keeps a migrated table's column order
+# that of a new one. An old ledger's raw intervals put a sample's tokens on every device and knew no
+# RAPL ambiguity: their tokens move to the window's token carrier (the smallest device_id), their busy
+# and window-measured flags come from the window's rows (a device missing from one of the two samples is
+# not seen any more: such a window counts as measured when its rows are), and every hour they touch is
+# marked dirty, so the next refresh rolls it up again by the new rules. Rollup rows older than the raw
+# retention cannot be recomputed: they keep J per token over all their busy energy and tokens (jpt_busy_j
+# = busy_j, output_tokens = busy_output_tokens), as they were counted.
+COLUMN_MIGRATIONS: tuple[tuple[str, str, str], ...] = (
+    ("energy_samples", "energy_uj", """
+ALTER TABLE energy_samples ADD COLUMN energy_uj BIGINT;
+ALTER TABLE energy_samples ADD COLUMN max_range_uj BIGINT;
+"""),
+    ("energy_intervals", "is_window_measured", """
+ALTER TABLE energy_intervals ADD COLUMN is_rapl_ambiguous BOOLEAN;
+ALTER TABLE energy_intervals ADD COLUMN is_busy BOOLEAN;
+ALTER TABLE energy_intervals ADD COLUMN is_window_measured BOOLEAN;
+ALTER TABLE energy_attribution ADD COLUMN is_window_measured BOOLEAN;
+INSERT OR IGNORE INTO rollup_dirty
+SELECT DISTINCT unnest(generate_series(date_trunc('hour', least(start_ts, end_ts)),
+                                       date_trunc('hour', greatest(start_ts, end_ts)), INTERVAL 1 HOUR))
+FROM energy_intervals;
+CREATE OR REPLACE TEMP TABLE migrated_windows AS
+SELECT worker_id, session_id, end_seq, min(device_id) AS carrier,
+       bool_or(prompt_tokens + output_tokens > 0) AS is_busy,
+       bool_and(energy_j IS NOT NULL AND method <> 'estimated') AS is_window_measured
+FROM energy_intervals GROUP BY ALL;
+UPDATE energy_intervals SET is_rapl_ambiguous = false, is_busy = w.is_busy, is_window_measured = w.is_window_measured,
+       prompt_tokens = CASE WHEN device_id = w.carrier THEN prompt_tokens ELSE 0 END,
+       output_tokens = CASE WHEN device_id = w.carrier THEN output_tokens ELSE 0 END
+FROM migrated_windows w
+WHERE energy_intervals.worker_id = w.worker_id AND energy_intervals.session_id = w.session_id
+  AND energy_intervals.end_seq = w.end_seq;
+UPDATE energy_attribution SET is_window_measured = w.is_window_measured,
+       prompt_tokens = CASE WHEN device_id = w.carrier THEN prompt_tokens ELSE 0 END,
+       output_tokens = CASE WHEN device_id = w.carrier THEN output_tokens ELSE 0 END
+FROM migrated_windows w
+WHERE energy_attribution.worker_id = w.worker_id AND energy_attribution.session_id = w.session_id
+  AND energy_attribution.end_seq = w.end_seq;
+DROP TABLE migrated_windows;
+"""),
+    ("energy_hourly", "jpt_busy_j", """
+ALTER TABLE energy_hourly ADD COLUMN num_rapl_ambiguous BIGINT;
+ALTER TABLE energy_hourly ADD COLUMN jpt_busy_j DOUBLE;
+ALTER TABLE energy_hourly ADD COLUMN output_tokens DOUBLE;
+UPDATE energy_hourly SET num_rapl_ambiguous = 0, jpt_busy_j = busy_j, output_tokens = busy_output_tokens;
+ALTER TABLE energy_daily ADD COLUMN num_rapl_ambiguous BIGINT;
+ALTER TABLE energy_daily ADD COLUMN jpt_busy_j DOUBLE;
+ALTER TABLE energy_daily ADD COLUMN output_tokens DOUBLE;
+UPDATE energy_daily SET num_rapl_ambiguous = 0, jpt_busy_j = busy_j, output_tokens = busy_output_tokens;
+ALTER TABLE key_energy_hourly ADD COLUMN jpt_busy_j DOUBLE;
+UPDATE key_energy_hourly SET jpt_busy_j = busy_j;
+ALTER TABLE key_energy_daily ADD COLUMN jpt_busy_j DOUBLE;
+UPDATE key_energy_daily SET jpt_busy_j = busy_j;
+"""),
+)
+
 # Query-time views for operators: kWh and $ next to their coverage. List-price value uses the current
 # price book (a model without its own row takes the '*' row).
 VIEWS = """
+-- J per output token is over the windows in which every device of the worker was measured (jpt_busy_j
+-- over busy_output_tokens); token_coverage_pct is the share of the output tokens those windows hold.
 CREATE OR REPLACE VIEW daily_energy AS
 SELECT day, worker_id, model_id,
        sum(measured_j) / 3.6e6 AS kwh,
@@ -189,11 +265,14 @@ SELECT day, worker_id, model_id,
        sum(estimated_j) / 3.6e6 AS estimated_kwh,
        sum(busy_j) / 3.6e6 AS busy_kwh,
        sum(idle_j) / 3.6e6 AS idle_kwh,
-       sum(busy_j) / nullif(sum(busy_output_tokens), 0) AS j_per_output_token,
+       sum(jpt_busy_j) / nullif(sum(busy_output_tokens), 0) AS j_per_output_token,
        100.0 * sum(covered_s) / nullif(sum(device_s), 0) AS coverage_pct,
        list(DISTINCT method ORDER BY method) AS methods,
        sum(num_reset) AS num_reset, sum(num_wrap) AS num_wrap, sum(num_gap) AS num_gap,
-       sum(num_implausible) AS num_implausible
+       sum(num_implausible) AS num_implausible,
+       sum(num_rapl_ambiguous) AS num_rapl_ambiguous,
+       sum(output_tokens) AS output_tokens,
+       100.0 * sum(busy_output_tokens) / nullif(sum(output_tokens), 0) AS token_coverage_pct
 FROM energy_daily GROUP BY ALL;
 
 CREATE OR REPLACE VIEW daily_usage AS
@@ -210,7 +289,7 @@ GROUP BY ALL;
 
 CREATE OR REPLACE VIEW daily_key_energy AS
 SELECT day, pool, api_key_id, model_id, sum(busy_j) / 3.6e6 AS busy_kwh, sum(energy_usd) AS energy_usd,
-       sum(busy_j) / nullif(sum(measured_output_tokens), 0) AS j_per_output_token,
+       sum(jpt_busy_j) / nullif(sum(measured_output_tokens), 0) AS j_per_output_token,
        100.0 * sum(measured_output_tokens) / nullif(sum(output_tokens), 0) AS coverage_pct,
        list(DISTINCT method ORDER BY method) FILTER (method IS NOT NULL) AS methods
 FROM key_energy_daily GROUP BY ALL;
@@ -218,26 +297,31 @@ FROM key_energy_daily GROUP BY ALL;
 CREATE OR REPLACE VIEW rolling_30d AS
 SELECT worker_id, model_id,
        sum(measured_j) / 3.6e6 AS kwh, sum(energy_usd) AS energy_usd,
-       sum(busy_j) / nullif(sum(busy_output_tokens), 0) AS j_per_output_token,
-       100.0 * sum(covered_s) / nullif(sum(device_s), 0) AS coverage_pct
+       sum(jpt_busy_j) / nullif(sum(busy_output_tokens), 0) AS j_per_output_token,
+       100.0 * sum(covered_s) / nullif(sum(device_s), 0) AS coverage_pct,
+       list(DISTINCT method ORDER BY method) AS methods,
+       sum(estimated_j) / 3.6e6 AS estimated_kwh,
+       100.0 * sum(busy_output_tokens) / nullif(sum(output_tokens), 0) AS token_coverage_pct
 FROM energy_daily WHERE day > current_date - 30 GROUP BY ALL;
 """
 
 # One interval split over the UTC hours it overlaps, in proportion to time (an interval of zero or
-# negative length lands whole in the hour of its end). $1, $2: the [lo, hi) range of hours wanted;
-# {hours}: a query naming the hours wanted inside it.
+# negative length lands whole in the hour of its end). Durations are whole microseconds subtracted as
+# integers (epoch_us), exactly as stored, never differences of float epoch seconds (which lose ~2e-7 s at
+# today's epoch). $1, $2: the [lo, hi) range of hours wanted; {hours}: a query naming the hours wanted.
 _PIECES = """
 WITH iv AS (
-    SELECT *, epoch(end_ts) - epoch(start_ts) AS dur FROM {table} WHERE end_ts >= $1 AND start_ts < $2
+    SELECT *, epoch_us(end_ts) - epoch_us(start_ts) AS dur_us FROM {table} WHERE end_ts >= $1 AND start_ts < $2
 ), pieces AS (
     SELECT iv.*, h.hour,
-           CASE WHEN dur <= 0 THEN 1.0
-                ELSE (epoch(least(end_ts, h.hour + INTERVAL 1 HOUR)) - epoch(greatest(start_ts, h.hour))) / dur
+           CASE WHEN dur_us <= 0 THEN 1.0
+                ELSE (epoch_us(least(end_ts, h.hour + INTERVAL 1 HOUR)) - epoch_us(greatest(start_ts, h.hour)))
+                     / dur_us
            END AS frac
     FROM iv, LATERAL (
         SELECT unnest(generate_series(
-            CASE WHEN dur <= 0 THEN date_trunc('hour', end_ts) ELSE date_trunc('hour', start_ts) END,
-            CASE WHEN dur <= 0 THEN date_trunc('hour', end_ts)
+            CASE WHEN dur_us <= 0 THEN date_trunc('hour', end_ts) ELSE date_trunc('hour', start_ts) END,
+            CASE WHEN dur_us <= 0 THEN date_trunc('hour', end_ts)
                  ELSE date_trunc('hour', end_ts - INTERVAL 1 MICROSECOND) END,
             INTERVAL 1 HOUR)) AS hour
     ) h
@@ -252,44 +336,58 @@ _RATED = """
 )
 """
 
+# Energy sums over every device's row; tokens are on one row per window (its token carrier), so they are
+# counted once however many devices the worker has. Busy or idle is the window's (is_busy on every row).
+# J per output token (docs/accounting.md, "Rollups"): jpt_busy_j and busy_output_tokens are taken over the
+# windows in which every device was measured, so a window where one GPU's reading is missing adds neither
+# its tokens nor its measured devices' energy to it (that energy still counts in measured_j and busy_j).
+_ENERGY_COLUMNS = ("measured_j, estimated_j, busy_j, idle_j, busy_output_tokens, device_s, covered_s, energy_usd, "
+                   "num_intervals, num_reset, num_wrap, num_gap, num_implausible, num_rapl_ambiguous, jpt_busy_j, "
+                   "output_tokens")
 REFRESH_ENERGY_HOURLY = _PIECES.format(table="energy_intervals", hours="SELECT hour FROM dirty_now") + """
 , agg AS (
     SELECT hour, worker_id, model_id, method,
            sum(energy_j * frac) FILTER (method <> 'estimated') AS measured_j,
            sum(energy_j * frac) FILTER (method = 'estimated') AS estimated_j,
-           sum(energy_j * frac) FILTER (method <> 'estimated' AND prompt_tokens + output_tokens > 0) AS busy_j,
-           sum(energy_j * frac) FILTER (method <> 'estimated' AND prompt_tokens + output_tokens = 0) AS idle_j,
-           sum(output_tokens * frac) FILTER (method <> 'estimated' AND energy_j IS NOT NULL) AS busy_output_tokens,
+           sum(energy_j * frac) FILTER (method <> 'estimated' AND is_busy) AS busy_j,
+           sum(energy_j * frac) FILTER (method <> 'estimated' AND NOT is_busy) AS idle_j,
+           sum(energy_j * frac) FILTER (is_busy AND is_window_measured) AS jpt_busy_j,
+           sum(output_tokens * frac) FILTER (is_window_measured) AS busy_output_tokens,
+           sum(output_tokens * frac) AS output_tokens,
            sum(device_s * frac) AS device_s,
            coalesce(sum(device_s * frac) FILTER (method <> 'estimated' AND energy_j IS NOT NULL), 0) AS covered_s,
            count(*) AS num_intervals, count(*) FILTER (is_reset) AS num_reset, count(*) FILTER (is_wrap) AS num_wrap,
-           count(*) FILTER (is_gap) AS num_gap, count(*) FILTER (is_implausible) AS num_implausible
+           count(*) FILTER (is_gap) AS num_gap, count(*) FILTER (is_implausible) AS num_implausible,
+           count(*) FILTER (is_rapl_ambiguous) AS num_rapl_ambiguous
     FROM pieces GROUP BY ALL
-)""" + _RATED + """
-INSERT INTO energy_hourly
+)""" + _RATED + f"""
+INSERT INTO energy_hourly (hour, worker_id, model_id, method, {_ENERGY_COLUMNS})
 SELECT hour, worker_id, model_id, method, measured_j, estimated_j, busy_j, idle_j, busy_output_tokens, device_s,
-       covered_s, measured_j / 3.6e6 * usd_per_kwh, num_intervals, num_reset, num_wrap, num_gap, num_implausible
+       covered_s, measured_j / 3.6e6 * usd_per_kwh, num_intervals, num_reset, num_wrap, num_gap, num_implausible,
+       num_rapl_ambiguous, jpt_busy_j, output_tokens
 FROM rated
 """
 
-# Per key: shares of unknown energy (energy_j NULL) count their tokens in output_tokens only, so
-# measured_output_tokens / output_tokens is the key's coverage.
+# Per key: a share's tokens are on its window's token carrier only (counted once); busy_j sums the
+# measured energy of every device's share. Tokens made in a window not measured on every device count in
+# output_tokens only, so measured_output_tokens / output_tokens is the key's coverage, and J per output
+# token is jpt_busy_j (the energy of the measured windows) / measured_output_tokens.
 REFRESH_KEY_ENERGY_HOURLY = _PIECES.format(table="energy_attribution", hours="SELECT hour FROM dirty_now") + """
 , agg AS (
     SELECT p.hour, p.worker_id, p.model_id, r.pool, r.api_key_id, p.method,
            sum(p.energy_j * p.frac) FILTER (p.method <> 'estimated') AS busy_j,
            sum(p.energy_j * p.frac) FILTER (p.method = 'estimated') AS estimated_j,
+           sum(p.energy_j * p.frac) FILTER (p.is_window_measured) AS jpt_busy_j,
            sum(p.output_tokens * p.frac) AS output_tokens,
-           coalesce(sum(p.output_tokens * p.frac) FILTER (p.method <> 'estimated' AND p.energy_j IS NOT NULL), 0)
-               AS measured_output_tokens
+           coalesce(sum(p.output_tokens * p.frac) FILTER (p.is_window_measured), 0) AS measured_output_tokens
     FROM pieces p LEFT JOIN requests r USING (request_id)
     WHERE p.request_id IS NOT NULL
     GROUP BY ALL
 )""" + _RATED + """
 INSERT INTO key_energy_hourly (hour, worker_id, model_id, pool, api_key_id, busy_j, estimated_j, output_tokens,
-                               energy_usd, method, measured_output_tokens)
+                               energy_usd, method, measured_output_tokens, jpt_busy_j)
 SELECT hour, worker_id, model_id, pool, api_key_id, busy_j, estimated_j, output_tokens, busy_j / 3.6e6 * usd_per_kwh,
-       method, measured_output_tokens
+       method, measured_output_tokens, jpt_busy_j
 FROM rated
 """
 
@@ -332,17 +430,18 @@ GROUP BY ALL
 """
 
 REFRESH_DAILY = {
-    "energy_daily": """
-        INSERT INTO energy_daily
+    "energy_daily": f"""
+        INSERT INTO energy_daily (day, worker_id, model_id, method, {_ENERGY_COLUMNS})
         SELECT hour::DATE AS day, worker_id, model_id, method, sum(measured_j), sum(estimated_j), sum(busy_j),
                sum(idle_j), sum(busy_output_tokens), sum(device_s), sum(covered_s), sum(energy_usd),
-               sum(num_intervals), sum(num_reset), sum(num_wrap), sum(num_gap), sum(num_implausible)
+               sum(num_intervals), sum(num_reset), sum(num_wrap), sum(num_gap), sum(num_implausible),
+               sum(num_rapl_ambiguous), sum(jpt_busy_j), sum(output_tokens)
         FROM energy_hourly WHERE hour::DATE IN (SELECT day FROM dirty_days) GROUP BY ALL""",
     "key_energy_daily": """
         INSERT INTO key_energy_daily (day, worker_id, model_id, pool, api_key_id, busy_j, estimated_j, output_tokens,
-                                      energy_usd, method, measured_output_tokens)
+                                      energy_usd, method, measured_output_tokens, jpt_busy_j)
         SELECT hour::DATE AS day, worker_id, model_id, pool, api_key_id, sum(busy_j), sum(estimated_j),
-               sum(output_tokens), sum(energy_usd), method, sum(measured_output_tokens)
+               sum(output_tokens), sum(energy_usd), method, sum(measured_output_tokens), sum(jpt_busy_j)
         FROM key_energy_hourly WHERE hour::DATE IN (SELECT day FROM dirty_days) GROUP BY ALL""",
     "usage_daily": """
         INSERT INTO usage_daily

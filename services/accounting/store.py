@@ -27,7 +27,17 @@ import duckdb
 
 from proto import EnergySample, UsageRecord
 from services.accounting import costs, schema
-from services.accounting.intervals import Interval, Limits, Reading, Sample, TokenCount, attribute, derive_intervals
+from services.accounting.intervals import (
+    Interval,
+    Limits,
+    Reading,
+    Sample,
+    TokenCount,
+    attribute,
+    derive_intervals,
+    sample_of,
+)
+from services.common.energy_counter import epoch_us
 
 T = TypeVar("T")
 
@@ -65,13 +75,16 @@ _INTERVAL_COLUMNS = (
     ("end_seq", "BIGINT"), ("start_ts", "TIMESTAMPTZ"), ("end_ts", "TIMESTAMPTZ"), ("model_id", "VARCHAR"),
     ("kind", "VARCHAR"), ("method", "VARCHAR"), ("energy_j", "DOUBLE"), ("device_s", "DOUBLE"),
     ("is_reset", "BOOLEAN"), ("is_wrap", "BOOLEAN"), ("is_gap", "BOOLEAN"), ("is_implausible", "BOOLEAN"),
-    ("prompt_tokens", "BIGINT"), ("output_tokens", "BIGINT"),
+    ("prompt_tokens", "BIGINT"), ("output_tokens", "BIGINT"), ("is_rapl_ambiguous", "BOOLEAN"),
+    ("is_busy", "BOOLEAN"), ("is_window_measured", "BOOLEAN"),
 )
 _ATTRIBUTION_COLUMNS = (
     ("worker_id", "VARCHAR"), ("session_id", "VARCHAR"), ("device_id", "VARCHAR"), ("end_seq", "BIGINT"),
     ("start_ts", "TIMESTAMPTZ"), ("end_ts", "TIMESTAMPTZ"), ("model_id", "VARCHAR"), ("method", "VARCHAR"),
     ("request_id", "VARCHAR"), ("energy_j", "DOUBLE"), ("prompt_tokens", "BIGINT"), ("output_tokens", "BIGINT"),
+    ("is_window_measured", "BOOLEAN"),
 )
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
 class QueryRejected(ValueError):
@@ -122,6 +135,12 @@ def _ts(epoch_s: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(epoch_s, dt.UTC)
 
 
+def _ts_us(us: int) -> dt.datetime:
+    """A sample's or interval's time from its whole microseconds: exactly what TIMESTAMPTZ stores, so the
+    intervals' durations (integer µs differences) are those of the stored values."""
+    return _EPOCH + dt.timedelta(microseconds=us)
+
+
 def _hour_start(t: dt.datetime) -> dt.datetime:
     return t.replace(minute=0, second=0, microsecond=0)
 
@@ -158,6 +177,7 @@ class Ledger:
         if not read_only:
             self.con.execute(schema.TABLES)
             self.con.execute(schema.MIGRATIONS)
+            self._migrate_columns()
             self.con.execute(schema.VIEWS)
         self.reader = self.con.cursor()
         self.reader.execute("SET TimeZone = 'UTC'")
@@ -168,6 +188,14 @@ class Ledger:
     def close(self) -> None:
         self.reader.close()
         self.con.close()
+
+    def _migrate_columns(self) -> None:
+        """Run each ``schema.COLUMN_MIGRATIONS`` step whose column is missing, one transaction per step."""
+        for table, column, statements in schema.COLUMN_MIGRATIONS:
+            present = self.con.execute("SELECT count(*) FROM information_schema.columns WHERE table_name = ? "
+                                       "AND column_name = ?", [table, column]).fetchone()
+            if present == (0,):
+                self._transaction(lambda statements=statements: self.con.execute(statements))
 
     # ---- configuration rows ---------------------------------------------------------------------------
 
@@ -306,15 +334,15 @@ class Ledger:
             "sample_log",
             (("worker_id", "VARCHAR"), ("session_id", "VARCHAR"), ("seq", "BIGINT"), ("ts", "TIMESTAMPTZ"),
              ("model_id", "VARCHAR")),
-            [(s.worker_id, s.session_id, s.seq, _ts(s.ts_s), s.model_id) for s in samples],
+            [(s.worker_id, s.session_id, s.seq, _ts_us(epoch_us(s.ts_s)), s.model_id) for s in samples],
             returning="worker_id, session_id, seq")}
         new = [s for s in samples if (s.worker_id, s.session_id, s.seq) in new_keys]
         self._insert("energy_samples", (
             ("worker_id", "VARCHAR"), ("session_id", "VARCHAR"), ("seq", "BIGINT"), ("device_id", "VARCHAR"),
             ("ts", "TIMESTAMPTZ"), ("kind", "VARCHAR"), ("method", "VARCHAR"), ("energy_mj", "BIGINT"),
-            ("max_range_mj", "BIGINT"), ("power_mw", "BIGINT")),
-            [(s.worker_id, s.session_id, s.seq, r.device_id, _ts(s.ts_s), r.kind, r.method, r.energy_mj,
-              r.max_range_mj, r.power_mw) for s in new for r in s.readings])
+            ("max_range_mj", "BIGINT"), ("power_mw", "BIGINT"), ("energy_uj", "BIGINT"), ("max_range_uj", "BIGINT")),
+            [(s.worker_id, s.session_id, s.seq, r.device_id, _ts_us(epoch_us(s.ts_s)), r.kind, r.method, r.energy_mj,
+              r.max_range_mj, r.power_mw, r.energy_uj, r.max_range_uj) for s in new for r in s.readings])
         self._insert("sample_tokens", (
             ("worker_id", "VARCHAR"), ("session_id", "VARCHAR"), ("seq", "BIGINT"), ("request_id", "VARCHAR"),
             ("prompt_tokens", "BIGINT"), ("output_tokens", "BIGINT")),
@@ -331,13 +359,14 @@ class Ledger:
                 intervals.append((worker_id, session_id, iv))
                 dirty.update(_hours(iv.start_s, iv.end_s))
                 for sh in attribute(iv, tokens):
-                    shares.append((worker_id, session_id, iv.device_id, iv.end_seq, _ts(iv.start_s), _ts(iv.end_s),
-                                   iv.model_id, iv.method, sh.request_id, sh.energy_j, sh.prompt_tokens,
-                                   sh.output_tokens))
+                    shares.append((worker_id, session_id, iv.device_id, iv.end_seq, _ts_us(iv.start_us),
+                                   _ts_us(iv.end_us), iv.model_id, iv.method, sh.request_id, sh.energy_j,
+                                   sh.prompt_tokens, sh.output_tokens, iv.is_window_measured))
         self._insert("energy_intervals", _INTERVAL_COLUMNS, [
-            (w, s, iv.device_id, iv.start_seq, iv.end_seq, _ts(iv.start_s), _ts(iv.end_s), iv.model_id, iv.kind,
-             iv.method, iv.energy_j, iv.device_s, iv.is_reset, iv.is_wrap, iv.is_gap, iv.is_implausible,
-             iv.prompt_tokens, iv.output_tokens) for w, s, iv in intervals])
+            (w, s, iv.device_id, iv.start_seq, iv.end_seq, _ts_us(iv.start_us), _ts_us(iv.end_us), iv.model_id,
+             iv.kind, iv.method, iv.energy_j, iv.device_s, iv.is_reset, iv.is_wrap, iv.is_gap, iv.is_implausible,
+             iv.prompt_tokens, iv.output_tokens, iv.is_rapl_ambiguous, iv.is_busy, iv.is_window_measured)
+            for w, s, iv in intervals])
         # energy_attribution has no key (idle shares have no request id): plain insert.
         if shares:
             names = ", ".join(n for n, _ in _ATTRIBUTION_COLUMNS)
@@ -351,7 +380,7 @@ class Ledger:
                   ) -> list[tuple[Interval, list[TokenCount]]]:
         """Intervals (with the end sample's tokens) for the neighbourhood of ``group``'s new samples."""
         key = (worker_id, session_id)
-        new_samples = sorted((_sample(s) for s in group), key=lambda s: s.seq)
+        new_samples = sorted((sample_of(s) for s in group), key=lambda s: s.seq)
         lo, hi = new_samples[0].seq, new_samples[-1].seq
         last = self._last_sample.get(key)
         if last is not None and last.seq < lo:
@@ -388,20 +417,21 @@ class Ledger:
     def _load_samples(self, worker_id: str, session_id: str, first: int, last: int) -> list[Sample]:
         args = [worker_id, session_id, first, last]
         where = "WHERE worker_id = ? AND session_id = ? AND seq BETWEEN ? AND ?"
-        heads = self.con.execute(f"SELECT seq, epoch(ts), model_id FROM sample_log {where} ORDER BY seq",
+        heads = self.con.execute(f"SELECT seq, epoch_us(ts), model_id FROM sample_log {where} ORDER BY seq",
                                  args).fetchall()
         readings: dict[int, dict[str, Reading]] = defaultdict(dict)
-        for seq, device_id, kind, method, energy_mj, max_range_mj in self.con.execute(
-                f"SELECT seq, device_id, kind, method, energy_mj, max_range_mj FROM energy_samples {where}", args
-        ).fetchall():
+        for seq, device_id, kind, method, energy_mj, max_range_mj, energy_uj, max_range_uj in self.con.execute(
+                f"SELECT seq, device_id, kind, method, energy_mj, max_range_mj, energy_uj, max_range_uj "
+                f"FROM energy_samples {where}", args).fetchall():
             readings[seq][device_id] = Reading(device_id=device_id, kind=kind, method=method, energy_mj=energy_mj,
-                                               max_range_mj=max_range_mj)
+                                               max_range_mj=max_range_mj, energy_uj=energy_uj,
+                                               max_range_uj=max_range_uj)
         tokens: dict[int, list[TokenCount]] = defaultdict(list)
         for seq, request_id, prompt, output in self.con.execute(
                 f"SELECT seq, request_id, prompt_tokens, output_tokens FROM sample_tokens {where}", args).fetchall():
             tokens[seq].append(TokenCount(request_id=request_id, prompt_tokens=prompt, output_tokens=output))
-        return [Sample(seq=seq, ts_s=ts_s, model_id=model_id, readings=readings.get(seq, {}),
-                       tokens=tokens.get(seq, [])) for seq, ts_s, model_id in heads]
+        return [Sample(seq=seq, ts_us=ts_us, model_id=model_id, readings=readings.get(seq, {}),
+                       tokens=tokens.get(seq, [])) for seq, ts_us, model_id in heads]
 
     # ---- rollups, retention, export ---------------------------------------------------------------------
 
@@ -555,10 +585,10 @@ class Ledger:
 
         def energy(group: str) -> dict[Any, costs.EnergyTotals]:
             rows = self.con.execute(
-                f"SELECT {group}, sum(measured_j), sum(energy_usd), sum(estimated_j), sum(busy_j), "
+                f"SELECT {group}, sum(measured_j), sum(energy_usd), sum(estimated_j), sum(jpt_busy_j), "
                 f"coalesce(sum(busy_output_tokens), 0), sum(covered_s), sum(device_s), list(DISTINCT method) "
                 f"FROM energy_daily WHERE day >= ? GROUP BY ALL", [start]).fetchall()
-            return {r[0]: costs.EnergyTotals(measured_j=r[1], energy_usd=r[2], estimated_j=r[3], busy_j=r[4],
+            return {r[0]: costs.EnergyTotals(measured_j=r[1], energy_usd=r[2], estimated_j=r[3], jpt_busy_j=r[4],
                                              busy_output_tokens=r[5], covered_s=r[6], device_s=r[7],
                                              methods=tuple(r[8])) for r in rows}
 
@@ -567,9 +597,9 @@ class Ledger:
         key_rows = self.con.execute(
             "SELECT api_key_id, sum(busy_j), sum(energy_usd), sum(estimated_j), "
             "coalesce(sum(measured_output_tokens), 0), coalesce(sum(output_tokens), 0), "
-            "list(DISTINCT method) FILTER (method IS NOT NULL) "
+            "list(DISTINCT method) FILTER (method IS NOT NULL), sum(jpt_busy_j) "
             "FROM key_energy_daily WHERE day >= ? GROUP BY ALL", [start]).fetchall()
-        key_energy = {r[0]: costs.EnergyTotals(measured_j=r[1], energy_usd=r[2], estimated_j=r[3], busy_j=r[1],
+        key_energy = {r[0]: costs.EnergyTotals(measured_j=r[1], energy_usd=r[2], estimated_j=r[3], jpt_busy_j=r[7],
                                                busy_output_tokens=r[4], attributed_output_tokens=r[5],
                                                methods=tuple(r[6] or ())) for r in key_rows}
         return costs.build_costs(
@@ -619,15 +649,6 @@ def check_query(con: duckdb.DuckDBPyConnection, sql: str, max_sql_chars: int) ->
         raise QueryRejected(f"send exactly one statement (got {len(statements)})")
     if statements[0].type != duckdb.StatementType.SELECT:
         raise QueryRejected(f"only read-only SELECT queries are allowed (got {statements[0].type.name})")
-
-
-def _sample(s: EnergySample) -> Sample:
-    return Sample(seq=s.seq, ts_s=s.ts_s, model_id=s.model_id,
-                  readings={r.device_id: Reading(device_id=r.device_id, kind=r.kind, method=r.method,
-                                                 energy_mj=r.energy_mj, max_range_mj=r.max_range_mj)
-                            for r in s.readings},
-                  tokens=[TokenCount(request_id=t.request_id, prompt_tokens=t.prompt_tokens,
-                                     output_tokens=t.output_tokens) for t in s.request_tokens])
 
 
 class LedgerThread:

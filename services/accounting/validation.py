@@ -62,7 +62,8 @@ def energy_problem(s: EnergySample) -> str | None:
         # One count per running request, on the ingest path: a field's label is formatted only when it fails.
         *(_outside(f"readings[{r.device_id!r}].{name}", value, 0, MAX_INT64)
           for r in s.readings for name, value in (
-              ("energy_mj", r.energy_mj), ("max_range_mj", r.max_range_mj), ("power_mw", r.power_mw))
+              ("energy_mj", r.energy_mj), ("max_range_mj", r.max_range_mj), ("power_mw", r.power_mw),
+              ("energy_uj", r.energy_uj), ("max_range_uj", r.max_range_uj))
           if value is not None and not 0 <= value <= MAX_INT64),
         *(_outside(f"request_tokens[{t.request_id!r}].{name}", value, 0, MAX_TOKENS)
           for t in s.request_tokens for name, value in (

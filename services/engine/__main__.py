@@ -14,11 +14,13 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 from pathlib import Path
 
 from proto import subjects
 from services.common.bus import connect, drain_quietly, ensure_bus
+from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W
 from services.common.runtime import (
     ConfigError,
     announce,
@@ -96,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between bus heartbeats")
     parser.add_argument("--energy-interval", type=float, default=5.0, help="seconds between energy samples")
+    parser.add_argument("--max-rapl-power-w", type=float, default=DEFAULT_MAX_RAPL_POWER_W,
+                        help="the most one RAPL zone can draw; a longer silence than its range holds at this "
+                             "power is not trusted (as the accounting's flag of the same name; "
+                             f"default {DEFAULT_MAX_RAPL_POWER_W:g})")
 
 
 def default_cpu_threads(in_process: bool) -> int:
@@ -167,6 +173,8 @@ def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, W
         raise ConfigError("heartbeat-interval", "must be between 0.1 and 10 seconds")
     if args.energy_interval < 0.5:
         raise ConfigError("energy-interval", "must be >= 0.5 seconds")
+    if not (math.isfinite(args.max_rapl_power_w) and args.max_rapl_power_w > 0):
+        raise ConfigError("max-rapl-power-w", f"must be a finite number of watts > 0, got {args.max_rapl_power_w}")
     worker_id = args.worker_id or default_worker_id("engine")
     try:
         subjects.check_id(worker_id)
@@ -190,7 +198,7 @@ def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, W
         raise ConfigError("backend", exc.reason) from None
     serve = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                         electricity_rate_usd_per_kwh=args.electricity_rate, metrics_state=args.metrics_state,
-                        energy_interval_s=args.energy_interval)
+                        energy_interval_s=args.energy_interval, max_rapl_power_w=args.max_rapl_power_w)
     return engine, serve, WorkerConfig(worker_id=worker_id, heartbeat_interval_s=args.heartbeat_interval)
 
 

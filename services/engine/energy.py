@@ -1,9 +1,11 @@
 """Energy meters and the interval arithmetic over their cumulative counters.
 
 **What is measured.** A meter returns one :class:`DeviceReading` per physical device: the raw
-*cumulative* energy counter in millijoules, never a per-interval figure. Deltas are taken afterwards
-(:class:`EnergyTracker` here, the accounting service on the bus), so a lost sample loses no energy and a
-duplicate adds none (docs/architecture.md, "Energy accounting"; DESIGN.md, same section).
+*cumulative* energy counter in millijoules (and in µJ where that is the native unit: RAPL), never a
+per-interval figure. Deltas are taken afterwards (:class:`EnergyTracker` here, the accounting service on
+the bus), both by the one copy of the counter rules in ``services/common/energy_counter.py``, so a lost
+sample loses no energy, a duplicate adds none, and ``/usage`` and the ledger agree (DESIGN.md, "Energy
+accounting"; docs/accounting.md, "Intervals").
 
 - :class:`NvmlMeter` — ``nvmlDeviceGetTotalEnergyConsumption`` (mJ since the driver was loaded, Volta and
   newer) per GPU, keyed by UUID; method ``counter``. A GPU whose counter call raises an ``NVMLError`` is
@@ -14,8 +16,8 @@ duplicate adds none (docs/architecture.md, "Energy accounting"; DESIGN.md, same 
 - :class:`RaplMeter` — ``/sys/class/powercap/intel-rapl:N/energy_uj`` for the top-level zones only (nested
   zones such as ``intel-rapl:0:0`` are *inside* their package and would be counted twice; ``psys`` covers
   the packages too and is used only when there is no package zone). The counter wraps at
-  ``max_energy_range_uj``. Values are reported in mJ (``uj // 1000``): the counter is cumulative, so the
-  truncation error is at most 1 mJ per delta and never accumulates.
+  ``max_energy_range_uj``. Values are sent in their native µJ (``energy_uj``, ``max_range_uj``) and, for
+  readers that know only mJ, as ``uj // 1000`` too; deltas are taken in µJ when both readings have them.
 - :class:`UnavailableMeter` — no meter: one reading with ``energy_mj=None``. "Unavailable" is ``None``,
   never 0 J.
 - :class:`ReplayMeter` — replays scripted counter values (tests and simulations).
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from proto.messages import EnergyReading
+from services.common.energy_counter import US_PER_S, Counter, CounterLimits, counter_delta, epoch_us
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +49,19 @@ MeterKind = Literal["nvml", "rapl", "estimate", "none"]
 EnergyMethod = Literal["counter", "power_integration", "estimated", "unavailable"]
 IntervalFlag = Literal[
     "baseline",  # first reading of a device: nothing to subtract from yet
-    "unavailable",  # the device gave no counter this time
-    "missing",  # a device seen before is absent from this batch
+    "unavailable",  # the device gave no counter this time or the previous time
+    "missing",  # a device seen before is absent from this batch: its next reading is a new baseline
     "reset",  # the counter went down with no wrap range: energy not guessed
-    "wrap",  # RAPL counter wrapped once and was corrected with max_range_mj
+    "wrap",  # RAPL counter wrapped once and was corrected with its range
+    "rapl_ambiguous",  # RAPL: long enough to run through the whole range at the max package power: not guessed
+    "implausible",  # time went backwards, energy in zero time, or more than the device's power ceiling
     "gap",  # longer than gap_factor x the expected interval since the previous reading
     "duplicate",  # same timestamp and same counter as the previous reading
-    "out_of_order",  # timestamp older than the previous reading: ignored
     "method_change",  # the device's kind/method changed (e.g. counter -> power_integration)
 ]
 
 DEFAULT_RAPL_ROOT = Path("/sys/class/powercap")
+DEFAULT_COUNTER_LIMITS = CounterLimits()
 _RAPL_TOP_ZONE = re.compile(r"^intel-rapl:(\d+)$")
 
 
@@ -75,7 +80,9 @@ class DeviceReading:
 
     ``device_id`` is a GPU UUID, ``rapl:<zone name>`` or ``cpu``. ``energy_mj`` is cumulative (it only
     grows, except for a driver reset or a RAPL wrap) and ``None`` when unavailable. ``max_range_mj`` is
-    the wrap range (RAPL only). ``power_mw`` is the instantaneous power when known, for display.
+    the wrap range (RAPL only). ``energy_uj``/``max_range_uj``: the same counter and range in µJ, RAPL's
+    native unit (``energy_mj`` is then ``energy_uj // 1000``, for readers that know only mJ). ``power_mw``
+    is the instantaneous power when known, for display.
     """
 
     device_id: str
@@ -85,6 +92,14 @@ class DeviceReading:
     energy_mj: int | None
     max_range_mj: int | None = None
     power_mw: int | None = None
+    energy_uj: int | None = None
+    max_range_uj: int | None = None
+
+    @property
+    def counter(self) -> Counter:
+        """The reading as the shared counter rules take it."""
+        return Counter(kind=self.kind, method=self.method, energy_mj=self.energy_mj, energy_uj=self.energy_uj,
+                       max_range_mj=self.max_range_mj, max_range_uj=self.max_range_uj)
 
     def to_message(self) -> EnergyReading:
         """The bus form (``proto.EnergyReading``), which carries no timestamp of its own."""
@@ -95,6 +110,8 @@ class DeviceReading:
             energy_mj=self.energy_mj,
             max_range_mj=self.max_range_mj,
             power_mw=self.power_mw,
+            energy_uj=self.energy_uj,
+            max_range_uj=self.max_range_uj,
         )
 
 
@@ -300,8 +317,8 @@ def find_rapl_zones(root: Path = DEFAULT_RAPL_ROOT) -> list[RaplZone]:
 
 
 class RaplMeter:
-    """RAPL ``energy_uj`` per top-level zone (see :func:`find_rapl_zones`); method ``counter`` with
-    ``max_range_mj`` so the tracker can correct a wrap. Raises :class:`EnergyMeterUnavailableError`
+    """RAPL ``energy_uj`` per top-level zone (see :func:`find_rapl_zones`); method ``counter`` with the
+    wrap range so the tracker can correct a wrap. Raises :class:`EnergyMeterUnavailableError`
     when no zone is readable."""
 
     def __init__(self, root: Path = DEFAULT_RAPL_ROOT) -> None:
@@ -317,17 +334,19 @@ class RaplMeter:
         readings = []
         for zone in self._zones:
             try:
-                energy_mj: int | None = int((zone.path / "energy_uj").read_text().strip()) // 1000
+                energy_uj: int | None = int((zone.path / "energy_uj").read_text().strip())
             except (OSError, ValueError):
-                energy_mj = None
+                energy_uj = None
             readings.append(
                 DeviceReading(
                     device_id=zone.device_id,
                     kind="rapl",
-                    method="counter" if energy_mj is not None else "unavailable",
+                    method="counter" if energy_uj is not None else "unavailable",
                     ts_s=now_s,
-                    energy_mj=energy_mj,
+                    energy_mj=None if energy_uj is None else energy_uj // 1000,
                     max_range_mj=zone.max_range_uj // 1000,
+                    energy_uj=energy_uj,
+                    max_range_uj=zone.max_range_uj,
                 )
             )
         return readings
@@ -450,17 +469,24 @@ class IntervalEnergy:
 class EnergyTracker:
     """Turns successive cumulative readings into per-interval joules, per device (pure; no clock).
 
-    A counter that went down is a *reset* unless the reading has ``max_range_mj`` (RAPL), in which case
-    one wrap is corrected (``delta + max_range``) and flagged. A *gap* (more than ``gap_factor`` x
-    ``expected_interval_s`` since the previous reading) is flagged but its energy kept: the counter is
-    cumulative, so nothing in between was lost (unless a RAPL counter wrapped more than once, which is
-    why a wrap across a gap stays flagged).
+    Each reading is paired with the device's previous reading and the pair goes through the counter rules
+    of ``services/common/energy_counter.py`` (unavailable, kind/method change, reset or one corrected RAPL
+    wrap, a RAPL span that may hide a wrap, implausible power or time), the one copy the accounting
+    ledger's intervals use too. The pairing is the ledger's as well: consecutive readings, whatever they
+    were (an unavailable reading or an implausible interval is still the next baseline), and a device
+    absent from a batch has no interval (``missing``) and starts again from a baseline, as the ledger forms
+    no interval for a device missing from one of two consecutive samples. So ``/usage`` and the ledger
+    count the same joules for the samples this engine publishes
+    (``tests/unit/test_energy_counter.py``). A *gap* (more than ``gap_factor`` x ``expected_interval_s``
+    since the previous reading) is flagged but its energy kept: the counter is cumulative.
     """
 
-    def __init__(self, expected_interval_s: float, gap_factor: float = 3.0) -> None:
+    def __init__(self, expected_interval_s: float, gap_factor: float = 3.0,
+                 limits: CounterLimits = DEFAULT_COUNTER_LIMITS) -> None:
         if not expected_interval_s > 0 or not gap_factor > 0:
             raise ValueError("expected_interval_s and gap_factor must be > 0")
         self.max_gap_s = gap_factor * expected_interval_s
+        self.limits = limits
         self._last: dict[str, DeviceReading] = {}
 
     def update(self, readings: Sequence[DeviceReading], now_s: float) -> list[IntervalEnergy]:
@@ -468,40 +494,38 @@ class EnergyTracker:
         each device seen before but absent now (stamped ``now_s``)."""
         out = [self._update_one(r) for r in readings]
         present = {r.device_id for r in readings}
-        for device_id, prev in self._last.items():
-            if device_id not in present:
-                out.append(_interval(prev.device_id, prev.method, prev.ts_s, now_s, None, "missing"))
+        for device_id in [d for d in self._last if d not in present]:
+            prev = self._last.pop(device_id)
+            out.append(_interval(prev.device_id, prev.method, prev.ts_s, now_s, None, "missing"))
         return out
 
     def _update_one(self, r: DeviceReading) -> IntervalEnergy:
         prev = self._last.get(r.device_id)
-        if r.energy_mj is None:
-            # Keep the previous reading: when the counter comes back the delta covers this span too.
-            return _interval(r.device_id, r.method, prev.ts_s if prev else None, r.ts_s, None, "unavailable")
-        if prev is None or prev.energy_mj is None:
-            self._last[r.device_id] = r
-            return _interval(r.device_id, r.method, None, r.ts_s, None, "baseline")
-        if (prev.kind, prev.method) != (r.kind, r.method):
-            self._last[r.device_id] = r
-            return _interval(r.device_id, r.method, prev.ts_s, r.ts_s, None, "method_change")
-        dt_s = r.ts_s - prev.ts_s
-        if dt_s < 0:
-            return _interval(r.device_id, r.method, prev.ts_s, r.ts_s, None, "out_of_order")
         self._last[r.device_id] = r
+        if prev is None:
+            return _interval(r.device_id, r.method, None, r.ts_s, None,
+                             "baseline" if r.energy_mj is not None else "unavailable")
+        dt_us = epoch_us(r.ts_s) - epoch_us(prev.ts_s)
+        delta = counter_delta(prev.counter, r.counter, dt_us, self.limits)
         flags: set[IntervalFlag] = set()
-        if dt_s == 0 and r.energy_mj == prev.energy_mj:
-            flags.add("duplicate")
-        if dt_s > self.max_gap_s:
-            flags.add("gap")
-        delta_mj = r.energy_mj - prev.energy_mj
-        if delta_mj < 0 and r.max_range_mj:
-            delta_mj += r.max_range_mj
-            flags.add("wrap")
-        if delta_mj < 0:
-            flags.discard("wrap")
+        if delta.method == "unavailable":
+            flags.add("unavailable")
+        if delta.is_method_change:
+            flags.add("method_change")
+        elif delta.is_reset:
             flags.add("reset")
-            return _interval(r.device_id, r.method, prev.ts_s, r.ts_s, None, *flags)
-        return _interval(r.device_id, r.method, prev.ts_s, r.ts_s, delta_mj / 1000, *flags)
+        if delta.is_wrap:
+            flags.add("wrap")
+        if delta.is_rapl_ambiguous:
+            flags.add("rapl_ambiguous")
+        if delta.is_implausible:
+            flags.add("implausible")
+        if dt_us == 0 and delta.energy_j == 0:
+            flags.add("duplicate")
+        if dt_us > self.max_gap_s * US_PER_S:
+            flags.add("gap")
+        method: EnergyMethod = "unavailable" if delta.method == "unavailable" else r.method
+        return _interval(r.device_id, method, prev.ts_s, r.ts_s, delta.energy_j, *flags)
 
 
 def _interval(

@@ -21,6 +21,7 @@ from nats.aio.client import Client
 
 from proto import EnergySample, RequestTokens, TokenChunk, encode, subjects
 from services.common import openai_api, openai_stream
+from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W, CounterLimits
 from services.common.http import HTTPError, error_middleware, read_json_object, serving
 from services.common.runtime import new_session_id, raise_if_cancelling
 from services.engine.async_engine import EngineHandle
@@ -46,6 +47,9 @@ class ServeConfig:
     metrics_state_interval_s: float = 60.0
     energy_interval_s: float = 5.0
     max_body_bytes: int = 8 * 1024 * 1024
+    # The counter rules' RAPL power ceiling (energy_counter.py); the same value as the accounting's
+    # --max-rapl-power-w, so /usage and the ledger treat a long RAPL silence alike.
+    max_rapl_power_w: float = DEFAULT_MAX_RAPL_POWER_W
 
 
 class EngineService:
@@ -59,7 +63,8 @@ class EngineService:
         self.session_id = new_session_id()
         self.started_s = time.monotonic()
         self.requests = RequestStats()
-        self.tracker = EnergyTracker(expected_interval_s=config.energy_interval_s)
+        self.tracker = EnergyTracker(expected_interval_s=config.energy_interval_s,
+                                     limits=CounterLimits(max_rapl_power_w=config.max_rapl_power_w))
         self.energy_j_total: float | None = None
         note = meter.describe()
         if config.metrics_state is not None:

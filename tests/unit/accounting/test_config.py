@@ -55,3 +55,17 @@ def test_a_bad_tariff_stops_start_up_with_an_error_naming_the_flag(tmp_path: Pat
 def test_two_different_rates_for_one_moment_are_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="two rates for one moment"):
         config_of(tmp_path, "--tariff", "2026-01-01=0.1", "--tariff", "2026-01-01T00:00:00+00:00=0.2")
+
+
+def test_the_rapl_power_ceiling_defaults_to_the_counter_rules_figure_and_can_be_set(tmp_path: Path) -> None:
+    from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W
+
+    assert config_of(tmp_path).limits.max_rapl_power_w == DEFAULT_MAX_RAPL_POWER_W == 600.0
+    assert config_of(tmp_path, "--max-rapl-power-w", "250").limits.max_rapl_power_w == 250.0
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "inf", "nan"])
+def test_a_bad_rapl_power_ceiling_stops_start_up_naming_the_flag(tmp_path: Path, value: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        config_of(tmp_path, "--max-rapl-power-w", value)
+    assert caught.value.key == "max-rapl-power-w"

@@ -8,16 +8,25 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.accounting.intervals import Limits, Reading, Sample, TokenCount, attribute, derive_intervals
+from proto import EnergyReading, EnergySample
+from services.accounting.intervals import (
+    Limits,
+    Reading,
+    Sample,
+    TokenCount,
+    attribute,
+    derive_intervals,
+    sample_of,
+)
 
-LIMITS = Limits(max_gap_s=60.0, max_device_power_w=3000.0)
+LIMITS = Limits(max_gap_s=60.0, max_device_power_w=3000.0, max_rapl_power_w=600.0)
 
 
 def sample(seq: int, ts_s: float, mj: int | None, *, kind: str = "nvml", method: str = "counter",
            max_range_mj: int | None = None, tokens: tuple[tuple[str, int], ...] = ()) -> Sample:
     reading = Reading(device_id="gpu0", kind=kind, method=method if mj is not None else "unavailable",
                       energy_mj=mj, max_range_mj=max_range_mj)
-    return Sample(seq=seq, ts_s=ts_s, model_id="m", readings={"gpu0": reading},
+    return Sample(seq=seq, ts_us=round(ts_s * 1e6), model_id="m", readings={"gpu0": reading},
                   tokens=[TokenCount(request_id=r, output_tokens=n) for r, n in tokens])
 
 
@@ -40,12 +49,12 @@ def test_a_rapl_wrap_is_corrected_once_with_the_range() -> None:
     assert iv.is_wrap and iv.energy_j == (400_000 + rng - (rng - 100_000)) / 1000
 
 
-def test_a_wrap_across_a_span_that_could_hide_a_second_wrap_is_not_guessed() -> None:
+def test_a_wrap_across_a_span_that_could_hide_a_second_wrap_is_rapl_ambiguous_not_guessed() -> None:
     rng = 262_143_328
-    # 3000 W x 100 s = 300 kJ > the 262 kJ range: a second wrap is possible.
+    # 600 W x 500 s = 300 kJ > the 262 kJ range: a second wrap is possible.
     (iv,) = derive_intervals([sample(1, 0.0, rng - 100_000, kind="rapl", max_range_mj=rng),
-                              sample(2, 100.0, 400_000, kind="rapl", max_range_mj=rng)], LIMITS)
-    assert iv.is_wrap and iv.is_implausible and iv.energy_j is None
+                              sample(2, 500.0, 400_000, kind="rapl", max_range_mj=rng)], LIMITS)
+    assert iv.is_wrap and iv.is_rapl_ambiguous and not iv.is_implausible and iv.energy_j is None
 
 
 def test_missing_seqs_and_long_silences_are_gaps_whose_energy_is_kept() -> None:
@@ -96,6 +105,68 @@ def test_an_unknown_energy_gives_its_requests_shares_without_energy_and_no_idle_
     # b only prefilled while a produced output: output tokens are the weights, so b has no share
     assert [(s.request_id, s.energy_j, s.output_tokens) for s in shares] == [("a", None, 5)]
     assert attribute(iv, []) == []
+
+
+def test_durations_are_whole_microseconds_as_stored_not_differences_of_float_seconds() -> None:
+    a, b = 1767225600.123457, 1767225605.123458
+    assert b - a != 5_000_001 / 1e6  # 5.000000953674316: float epoch seconds lose ~2.4e-7 s here
+    msgs = [EnergySample(worker_id="w", session_id="s", seq=k, ts_s=t, model_id="m",
+                         readings=[EnergyReading(device_id="gpu0", kind="nvml", method="counter", energy_mj=mj)])
+            for k, (t, mj) in enumerate([(a, 0), (b, 5_000)], start=1)]
+    (iv,) = derive_intervals([sample_of(m) for m in msgs], LIMITS)
+    assert (iv.start_us, iv.end_us, iv.device_s) == (1767225600_123457, 1767225605_123458, 5_000_001 / 1e6)
+
+
+RAPL_RANGE_UJ = 262_143_328_850  # max_energy_range_uj of an Intel package zone
+
+
+def rapl_sample(seq: int, ts_s: float, uj: int) -> Sample:
+    reading = Reading(device_id="rapl:package-0", kind="rapl", method="counter", energy_mj=uj // 1000,
+                      max_range_mj=RAPL_RANGE_UJ // 1000, energy_uj=uj, max_range_uj=RAPL_RANGE_UJ)
+    return Sample(seq=seq, ts_us=round(ts_s * 1e6), model_id="m", readings={reading.device_id: reading})
+
+
+def test_a_rapl_zone_silent_for_40_minutes_is_ambiguous_even_though_its_counter_rose() -> None:
+    # 600 W x 2,400 s = 1,440,000 J: the 262,143 J range could have gone round unseen, up to five times
+    (iv,) = derive_intervals([rapl_sample(1, 0.0, 10_000_000_000), rapl_sample(2, 2400.0, 60_000_000_000)], LIMITS)
+    assert iv.is_rapl_ambiguous and iv.is_gap and iv.energy_j is None
+    assert not (iv.is_wrap or iv.is_reset or iv.is_implausible or iv.is_window_measured)
+
+
+def test_a_rapl_zone_silent_for_a_short_span_is_exact_in_microjoules() -> None:
+    # 60 s: at most 600 W x 60 s = 36,000 J could pass, far less than the range: no wrap can hide
+    (iv,) = derive_intervals([rapl_sample(1, 0.0, 10_000_000_123), rapl_sample(2, 60.0, 16_000_000_999)], LIMITS)
+    assert not iv.is_rapl_ambiguous and iv.energy_j == (16_000_000_999 - 10_000_000_123) / 1e6
+
+
+def tp_sample(seq: int, ts_s: float, mj: dict[str, int | None], tokens: tuple[tuple[str, int], ...] = ()) -> Sample:
+    readings = {d: Reading(device_id=d, kind="nvml", method="counter" if v is not None else "unavailable",
+                           energy_mj=v) for d, v in mj.items()}
+    return Sample(seq=seq, ts_us=round(ts_s * 1e6), model_id="m", readings=readings,
+                  tokens=[TokenCount(request_id=r, output_tokens=n) for r, n in tokens])
+
+
+def test_a_tensor_parallel_window_counts_its_tokens_once_on_its_smallest_device() -> None:
+    a, b = derive_intervals([tp_sample(1, 0.0, {"GPU-1": 0, "GPU-0": 0}),
+                             tp_sample(2, 5.0, {"GPU-1": 900_000, "GPU-0": 1_000_000}, (("r", 7),))], LIMITS)
+    assert [(i.device_id, i.energy_j, i.output_tokens, i.is_token_carrier) for i in (a, b)] == [
+        ("GPU-0", 1000.0, 7, True), ("GPU-1", 900.0, 0, False)]
+    assert a.is_busy and b.is_busy and a.is_window_measured and b.is_window_measured
+    shares = [sh for iv in (a, b) for sh in attribute(iv, [TokenCount(request_id="r", output_tokens=7)])]
+    assert [(sh.request_id, sh.energy_j, sh.output_tokens) for sh in shares] == [("r", 1000.0, 7), ("r", 900.0, 0)]
+
+
+def test_a_window_with_a_device_unavailable_or_missing_from_one_sample_is_not_measured() -> None:
+    ivs = derive_intervals([tp_sample(1, 0.0, {"GPU-0": 0, "GPU-1": 0}),
+                            tp_sample(2, 5.0, {"GPU-0": 1_000, "GPU-1": None}),
+                            tp_sample(3, 10.0, {"GPU-0": 2_000, "GPU-1": 2_000}),
+                            tp_sample(4, 15.0, {"GPU-0": 3_000}),  # GPU-1 not listed: its energy is unknown
+                            tp_sample(5, 20.0, {"GPU-0": 4_000, "GPU-1": 4_000})], LIMITS)
+    assert [(i.end_seq, i.device_id, i.energy_j, i.is_window_measured) for i in ivs] == [
+        (2, "GPU-0", 1.0, False), (2, "GPU-1", None, False),
+        (3, "GPU-0", 1.0, False), (3, "GPU-1", None, False),
+        (4, "GPU-0", 1.0, False),
+        (5, "GPU-0", 1.0, False)]
 
 
 counters = st.lists(st.one_of(st.none(), st.integers(0, 10**9)), min_size=2, max_size=30)

@@ -288,22 +288,26 @@ def test_a_duplicate_sample_adds_zero_not_double() -> None:
     assert total_energy_j([i for step in steps for i in step]) == 2_000 / 1000
 
 
-def test_an_out_of_order_sample_is_ignored_and_does_not_move_the_baseline() -> None:
-    meter = ReplayMeter([{"GPU-a": 0}, {"GPU-a": 2_000}, {"GPU-a": 1_000}, {"GPU-a": 3_000}])
+def test_time_going_backwards_is_implausible_and_the_next_interval_starts_from_that_reading() -> None:
+    # The ledger pairs consecutive samples the same way, so both lose the backwards span and no more.
+    meter = ReplayMeter([{"GPU-a": 0}, {"GPU-a": 2_000}, {"GPU-a": 2_500}, {"GPU-a": 3_000}])
     steps = run_tracker(meter, [0.0, 2.0, 1.0, 3.0])
-    assert (steps[2][0].energy_j, steps[2][0].flags) == (None, {"out_of_order"})
-    assert steps[3][0].energy_j == (3_000 - 2_000) / 1000
+    assert (steps[2][0].energy_j, steps[2][0].flags) == (None, {"implausible"})
+    assert (steps[3][0].energy_j, steps[3][0].start_s) == ((3_000 - 2_500) / 1000, 1.0)
 
 
-def test_a_missing_or_unavailable_reading_is_none_and_the_next_delta_covers_the_span() -> None:
+def test_a_missing_or_unavailable_reading_breaks_the_chain_as_in_the_ledger() -> None:
+    # The ledger forms no interval for a device absent from one of two consecutive samples, and a NULL
+    # one on either side of an unavailable reading; /usage counts the same joules (none are bridged).
     meter = ReplayMeter([{"GPU-a": 0, "GPU-b": 0}, {"GPU-a": 1_000}, {"GPU-a": 2_000, "GPU-b": None},
-                         {"GPU-a": 3_000, "GPU-b": 9_000}])
-    steps = run_tracker(meter, [0.0, 1.0, 2.0, 3.0])
+                         {"GPU-a": 3_000, "GPU-b": 9_000}, {"GPU-a": 4_000, "GPU-b": 10_000}])
+    steps = run_tracker(meter, [0.0, 1.0, 2.0, 3.0, 4.0])
     by_step = [{i.device_id: i for i in step} for step in steps]
     assert (by_step[1]["GPU-b"].energy_j, by_step[1]["GPU-b"].flags) == (None, {"missing"})
     assert (by_step[2]["GPU-b"].energy_j, by_step[2]["GPU-b"].flags) == (None, {"unavailable"})
-    assert by_step[3]["GPU-b"].energy_j == (9_000 - 0) / 1000  # cumulative: nothing lost
-    assert by_step[3]["GPU-b"].start_s == 0.0
+    assert (by_step[3]["GPU-b"].energy_j, by_step[3]["GPU-b"].flags) == (None, {"unavailable"})
+    assert by_step[4]["GPU-b"].energy_j == (10_000 - 9_000) / 1000
+    assert total_energy_j([i for step in steps for i in step]) == (4_000 + 10_000 - 9_000) / 1000
 
 
 def test_a_change_of_method_restarts_the_baseline_instead_of_mixing_scales() -> None:
@@ -325,9 +329,9 @@ def test_total_energy_is_none_when_nothing_was_measured_not_zero() -> None:
 
 
 def test_total_energy_sums_devices_that_have_a_measurement() -> None:
-    meter = ReplayMeter([{"GPU-a": 0, "GPU-b": 0}, {"GPU-a": 1_000, "GPU-b": 60_000_000}])
+    meter = ReplayMeter([{"GPU-a": 0, "GPU-b": 0}, {"GPU-a": 1_000, "GPU-b": 600_000}])  # 1 W and 600 W
     (_, second) = run_tracker(meter, [0.0, 1.0])
-    assert total_energy_j(second) == (1_000 + 60_000_000) / 1000
+    assert total_energy_j(second) == (1_000 + 600_000) / 1000
 
 
 def test_a_reading_converts_to_the_bus_message_unchanged() -> None:
