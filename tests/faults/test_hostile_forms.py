@@ -157,7 +157,10 @@ def test_sign_in_sign_out_account_and_admin_forms_never_fail_with_a_5xx(client, 
     signed_in = 0
 
     @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(route=st.sampled_from(routes), who=st.sampled_from(WHO), csrf=st.sampled_from(CSRF),
+    # the sign-in form weighted up: with 19 routes its real-credential cases came too rarely to pass the
+    # sign-in throttle reliably (one run of 1,000 examples signed in 0 times)
+    @given(route=st.sampled_from(routes + [("POST", "/login")] * 4), who=st.sampled_from(WHO),
+           csrf=st.sampled_from(CSRF),
            encoding=st.sampled_from(ENCODINGS), data=st.data(),
            fields=st.dictionaries(st.sampled_from(names) | st.text(max_size=12), FORM_VALUE, max_size=8),
            key_id=st.sampled_from(key_ids) | st.text(min_size=1, max_size=20), query=st.text(max_size=20))
