@@ -34,6 +34,9 @@ class ParsedRequest:
     # ninfer-serve refuses the request (400 naming the first); the gateway sends it only to HTTP members,
     # which get the client's body as it came.
     unsupported: tuple[str, ...] = ()
+    # stream_options.continuous_usage_stats (vLLM's and SGLang's extension): every content chunk of the
+    # stream carries the usage so far, so a client (or a gateway) that is cut off knows what it cost
+    continuous_usage: bool = False
 
 
 def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -139,6 +142,7 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     if not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
     include_usage = bool(options.get("include_usage", False))
+    continuous_usage = bool(options.get("continuous_usage_stats", False))
     n = body.get("n", 1)
     if n != 1:
         raise InvalidRequest("only n=1 is supported", "n")
@@ -189,7 +193,8 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
         min_tokens=_int(body, "min_tokens", 0) or 0,
     )
-    return ParsedRequest(endpoint, model, stream, include_usage, generate, _unsupported(body, endpoint))
+    return ParsedRequest(endpoint, model, stream, include_usage, generate, _unsupported(body, endpoint),
+                         continuous_usage)
 
 
 # Parameters that change what a reply must be, each with the test for a value that asks for something:

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from proto import TokenChunk, TokenLogprob
+from proto import TokenChunk, TokenLogprob, Usage
 from services.common import openai_api
 from services.common.http import HTTPError
 
@@ -85,6 +85,8 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
 
     ttft_ms: float | None = None
     text_offset = 0  # legacy completions' logprobs count character offsets across the whole completion
+    # the usage so far, for stream_options.continuous_usage_stats: the prompt as the acceptance chunk says
+    prompt_tokens, cached_tokens, output_tokens = 0, 0, 0
     # The last events (the final chunk's text, finish, usage, [DONE]) go out in one write with the end of
     # the chunked body: one system call instead of four or five.
     tail: list[bytes] = []
@@ -92,11 +94,19 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
         await response.write(event(openai_api.stream_chunk(parsed, rid, created, role=True, text="")))
     try:
         async for chunk in chunks:
+            if chunk.usage is not None and not chunk.is_final:
+                prompt_tokens, cached_tokens = chunk.usage.prompt_tokens, chunk.usage.cached_tokens
+            output_tokens += len(chunk.token_ids)
             logprobs = openai_api.logprobs_body(parsed, chunk.logprobs, text_offset) if chunk.logprobs else None
             if chunk.text or logprobs is not None:  # a token without text yet (part of a character) has logprobs
                 if ttft_ms is None and chunk.text:
                     ttft_ms = (time.monotonic() - started) * 1000.0
-                content = event(openai_api.stream_chunk(parsed, rid, created, text=chunk.text, logprobs=logprobs))
+                body = openai_api.stream_chunk(parsed, rid, created, text=chunk.text, logprobs=logprobs)
+                if parsed.continuous_usage:
+                    body["usage"] = openai_api.usage_body(Usage(prompt_tokens=prompt_tokens,
+                                                                completion_tokens=output_tokens,
+                                                                cached_tokens=cached_tokens))
+                content = event(body)
                 text_offset += sum(len(e.token) for e in chunk.logprobs or ())
                 if chunk.is_final:
                     tail.append(content)

@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 from nats.aio.client import Client
 
-from proto import EnergySample, RequestTokens, TokenChunk, encode, subjects
+from proto import EnergySample, RequestTokens, TokenChunk, Usage, encode, subjects
 from services.common import openai_api, openai_stream
 from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W, CounterLimits
 from services.common.http import HTTPError, error_middleware, read_json_object, serving
@@ -222,6 +222,9 @@ class EngineService:
                             retry_after_s=info.retry_after_s) from None
 
         async def chunks() -> AsyncIterator[TokenChunk]:
+            # the acceptance, as on the bus: the prompt's token count (continuous_usage_stats reads it)
+            yield TokenChunk(request_id=request_id, index=0, worker_id=self.worker_id,
+                             usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=0))
             index = 0
             async for output in stream:
                 index += 1

@@ -120,12 +120,19 @@ class HttpBackend:
         self.client.close()
 
     async def open(self, member: MemberConfig, endpoint: str, body: dict[str, Any], stream: bool,
-                   headers: dict[str, str]) -> UpstreamResponse:
-        """Send the request; return the upstream response once its status line arrived (< 400)."""
+                   headers: dict[str, str], continuous_usage: bool = False) -> UpstreamResponse:
+        """Send the request; return the upstream response once its status line arrived (< 400).
+
+        ``continuous_usage``: the member is known to take vLLM's ``stream_options.continuous_usage_stats``
+        (vLLM, SGLang, our engine): ask for the usage so far on every chunk, so a stream cut short is billed
+        the member's own count rather than the gateway's (:func:`relay` strips it again unless the client
+        asked for it)."""
         upstream = dict(body, model=member.model_id)
         if stream:
             options = dict(upstream.get("stream_options") or {})
             options["include_usage"] = True
+            if continuous_usage:
+                options["continuous_usage_stats"] = True
             upstream["stream_options"] = options
         try:
             resp = await self.client.post(member.backend, ENDPOINT_PATHS[endpoint], _json.encode(upstream),
@@ -184,7 +191,7 @@ class HttpBackend:
     async def relay(self, request: web.Request, resp: UpstreamResponse, stream: bool, client_wants_usage: bool,
                     request_id: str, on_first_byte: Callable[[], None], meter: UsageMeter, member_id: str = "",
                     on_abandoned: Callable[[asyncio.Task[Any]], None] | None = None,
-                    ) -> tuple[web.StreamResponse, UpstreamResult]:
+                    strip_running_usage: bool = False) -> tuple[web.StreamResponse, UpstreamResult]:
         """Pass the member's answer on, feeding ``meter`` as it goes (see usage_meter.py for the rules).
 
         A client that leaves while a non-streamed answer is being made does not stop the member (nothing
@@ -257,6 +264,9 @@ class HttpBackend:
                                 if not choices and event.get("usage") and not client_wants_usage:
                                     skip_blank = True  # the usage chunk we injected: not the client's business
                                     continue
+                                if strip_running_usage and choices and "usage" in event:
+                                    del event["usage"]  # the running usage we asked for, not the client
+                                    line = b"data: " + _json.encode(event) + b"\n"
                         elif skip_blank and line in (b"\n", b"\r\n"):
                             skip_blank = False
                             continue

@@ -72,6 +72,10 @@ USAGE_BATCH = 256  # usage records sent before waiting for their acks
 NEGATIVE_AUTH_DELAY_S = 0.25
 # How often each gateway tells the others its per-key token counts (a quota may overrun by this much traffic).
 QUOTA_SHARE_S = 1.0
+# HTTP members whose engines honour stream_options.continuous_usage_stats (vLLM's extension; SGLang has it
+# too; ninfer-serve, engine kind "native"): known from their telemetry heartbeats. Others (llama.cpp, stock
+# OpenAI servers) are not asked: an unknown stream option may be refused.
+CONTINUOUS_USAGE_KINDS = frozenset({"vllm", "sglang", "native"})
 # After a cancel, how long the gateway waits for the engine's count of what the request used (normally one
 # engine step, milliseconds; a loaded 2-core host has taken over 2 s). The wait runs in the background.
 ABORT_REPORT_WAIT_S = 10.0
@@ -860,14 +864,18 @@ class GatewayService:
                         ref: pools.MemberRef, request_id: str, outcome: _Outcome,
                         first_byte: Callable[[], None]) -> web.StreamResponse:
         assert ref.config is not None
-        resp = await self.http.open(ref.config, parsed.endpoint, body, parsed.stream, {"X-Request-Id": request_id})
+        hb = self.fleet.record(ref.member_id).heartbeat
+        running_usage = parsed.stream and hb is not None and hb.engine_kind in CONTINUOUS_USAGE_KINDS
+        resp = await self.http.open(ref.config, parsed.endpoint, body, parsed.stream, {"X-Request-Id": request_id},
+                                    continuous_usage=running_usage)
 
         def abandoned(reading: asyncio.Task[Any]) -> None:
             # the member goes on making the answer the client left: bill what it reports when done
             outcome.settling = asyncio.ensure_future(_quietly(reading))
         response, result = await self.http.relay(request, resp, parsed.stream, parsed.include_usage, request_id,
                                                  on_first_byte=first_byte, meter=outcome.meter,
-                                                 member_id=ref.member_id, on_abandoned=abandoned)
+                                                 member_id=ref.member_id, on_abandoned=abandoned,
+                                                 strip_running_usage=running_usage and not parsed.continuous_usage)
         outcome.finish_reason, outcome.ttft_ms = result.finish_reason, result.ttft_ms
         if result.error is not None:
             self._on_error(outcome)(result.error)

@@ -73,6 +73,25 @@ async def test_openai_client_reads_streams_and_bodies_with_timings_and_usage(tin
         assert again.model_extra["timings"]["cache_n"] == cached
 
 
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk_as_vllm_does(tiny_model: Path,
+                                                                                      tmp_path: Path) -> None:
+    async with serve(tiny_model, tmp_path) as s:
+        stream = await client(s.url).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True})
+        chunks = [ch async for ch in stream]
+        final = chunks[-1].usage
+        assert final is not None and final.completion_tokens == 8
+        running = [ch.usage for ch in chunks if ch.choices and ch.choices[0].delta.content]
+        assert running and all(u is not None and u.prompt_tokens == final.prompt_tokens for u in running)
+        counts = [u.completion_tokens for u in running]  # type: ignore[union-attr]
+        assert counts == sorted(counts) and 1 <= counts[0] and counts[-1] <= 8
+        # not asked: no usage on the content chunks (OpenAI's shape)
+        plain = await client(s.url).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True)
+        assert all(ch.usage is None for ch in [c async for c in plain])
+
+
 async def test_logprobs_in_chat_and_completions_streamed_and_not(tiny_model: Path, tmp_path: Path) -> None:
     async with serve(tiny_model, tmp_path) as s:
         c = client(s.url)

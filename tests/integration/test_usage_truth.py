@@ -53,6 +53,7 @@ class VllmMember:
     url: str = ""
     sent: dict[str, int] = field(default_factory=dict)  # request id → output tokens written
     finished: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id → (prompt, output) billed
+    asked_running: dict[str, bool] = field(default_factory=dict)  # request id → continuous_usage_stats asked
     rng: random.Random = field(default_factory=lambda: random.Random(7))
 
     @staticmethod
@@ -80,7 +81,14 @@ class VllmMember:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
 
+        running = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
+        self.asked_running[rid] = running
+
         def event(obj: dict) -> bytes:  # type: ignore[type-arg]
+            if running and obj.get("choices"):  # vLLM: the usage so far on every chunk
+                done = self.sent.get(rid, 0)
+                obj = {**obj, "usage": {"prompt_tokens": prompt, "total_tokens": prompt + done,
+                                        "completion_tokens": done}}
             return b"data: " + json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created,
                                            "model": body["model"], **obj}).encode() + b"\n\n"
         self.sent[rid] = 0
@@ -89,9 +97,9 @@ class VllmMember:
                                                  "logprobs": None, "finish_reason": None}]}))
             for i in range(n):
                 await asyncio.sleep(TOKEN_GAP_S)
+                self.sent[rid] += 1
                 await resp.write(event({"choices": [{"index": 0, "delta": {"content": f" t{i}"}, "logprobs": None,
                                                      "finish_reason": None}]}))
-                self.sent[rid] += 1
             self.finished[rid] = (prompt, n)
             await resp.write(event({"choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None,
                                                  "finish_reason": "length", "stop_reason": None}]}))
@@ -312,3 +320,62 @@ async def test_streams_dropped_at_random_points_book_what_was_generated_and_move
         assert f.gateway.auth.used_today(f.key_id, time.time()) == total
         print(f"\nFIGURES usage-drops: requests={len(jobs)} bus_aborted={len(aborted_bus)} "
               f"http_in_flight_max={max(gaps)} http_in_flight_mean={sum(gaps) / len(gaps):.2f}")
+
+
+async def test_a_vllm_member_is_asked_for_its_running_usage_so_a_cut_stream_bills_its_own_prompt_count(
+        nats_server, long_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from proto import SlotHeartbeat, encode, subjects
+    from services.common.pool_config import member_id_for
+
+    async with fleet(nats_server, long_model, tmp_path) as f:
+        member_id = member_id_for(f.member.url)
+        nc = await connect(nats_server.url, "telemetry")
+        seq = 0
+
+        async def beat() -> None:  # what telemetry publishes for a vLLM member it scrapes
+            nonlocal seq
+            seq += 1
+            await nc.publish(subjects.heartbeat(member_id), encode(SlotHeartbeat(
+                worker_id=member_id, session_id="t1", seq=seq, ts_s=time.time(), model_id=HTTP_MODEL,
+                engine_kind="vllm", backend=f.member.url, lanes=8, running=0, waiting=0)))
+        await beat()
+        await wait_for(lambda: (hb := f.gateway.fleet.record(member_id).heartbeat) is not None
+                       and hb.engine_kind == "vllm", 5)
+        results = []
+        for i in range(6):
+            await beat()
+            text = f"running usage please {i}"
+            results.append((text, await raw_stream(f.url, f.key, {
+                "model": HTTP_MODEL, "stream": True, "max_tokens": 60,
+                "messages": [{"role": "user", "content": text}]}, 5 + i)))
+        await beat()
+        asked = await sdk_stream_raw_events(f.url, f.key, {"model": HTTP_MODEL, "stream": True, "max_tokens": 5,
+                                                           "stream_options": {"continuous_usage_stats": True},
+                                                           "messages": [{"role": "user", "content": "mine"}]})
+        await nc.close()
+        rows = await f.rows(7)
+        for text, (rid, events, usage) in results:
+            row = rows[rid]
+            assert f.member.asked_running[rid] is True
+            assert usage is None  # the running usage the gateway asked for was stripped from the client's events
+            # the prompt as the member counted it (3 + the words), not the gateway's characters / 4
+            assert row["prompt_tokens"] == 3 + len(text.split()) != len(text) // 4, row
+            assert row["usage_source"] == "counted_by_gateway"
+            assert events <= row["output_tokens"] <= f.member.sent[rid]
+        assert all("usage" in e for e in asked)  # a client that asked for it gets it
+
+
+async def sdk_stream_raw_events(base_url: str, key: str, body: dict) -> list[dict]:  # type: ignore[type-arg]
+    """Every content event of a streamed answer, read whole with a plain HTTP client."""
+    import aiohttp
+
+    events = []
+    async with aiohttp.ClientSession() as http, http.post(base_url + "/v1/chat/completions", json=body,
+                                                           headers={"Authorization": f"Bearer {key}"}) as r:
+        async for raw in r.content:
+            if raw.startswith(b"data: {"):
+                obj = json.loads(raw[6:])
+                if obj.get("choices") and (obj["choices"][0].get("delta") or {}).get("content"):
+                    events.append(obj)
+    assert events
+    return events
