@@ -74,7 +74,11 @@ CREATE TABLE IF NOT EXISTS sample_tokens (
     PRIMARY KEY (worker_id, session_id, seq, request_id)
 );
 CREATE TABLE IF NOT EXISTS energy_intervals (
-    worker_id      VARCHAR NOT NULL,
+    -- One row per *part*: the share of one device interval (two consecutive readings of the device, from
+    -- any workers and sessions) owned by one worker x model (docs/accounting.md, "Intervals"). energy_j and
+    -- device_s are the part's (weight x the interval's); the interval is (device_id, end_worker_id,
+    -- end_session_id, end_seq), the reading that ends it.
+    worker_id      VARCHAR NOT NULL,   -- the part's owner
     session_id     VARCHAR NOT NULL,
     device_id      VARCHAR NOT NULL,
     start_seq      BIGINT NOT NULL,
@@ -90,19 +94,23 @@ CREATE TABLE IF NOT EXISTS energy_intervals (
     is_wrap        BOOLEAN NOT NULL,
     is_gap         BOOLEAN NOT NULL,
     is_implausible BOOLEAN NOT NULL,
-    -- The window's tokens, on its token carrier (the smallest device_id of the window) only: 0 on the
-    -- other devices' rows, so a sum over rows counts each token once (intervals.py, "A window").
-    prompt_tokens  BIGINT NOT NULL,
-    output_tokens  BIGINT NOT NULL,
-    PRIMARY KEY (worker_id, session_id, device_id, end_seq),
-    -- Appended (COLUMN_MIGRATIONS): a RAPL span that could hide a wrap (energy NULL); the window made
-    -- tokens (busy, on every device's row); every device of the window was measured (J/token's windows).
+    -- The owner's tokens in this interval (fractions of its windows'), on its windows' token carrier (the
+    -- smallest device_id a sample lists) only: 0 on other devices' rows, so a sum counts each token once.
+    prompt_tokens  DOUBLE NOT NULL,
+    output_tokens  DOUBLE NOT NULL,
     is_rapl_ambiguous  BOOLEAN,
     is_busy            BOOLEAN,
-    is_window_measured BOOLEAN
+    is_window_measured BOOLEAN,
+    start_worker_id    VARCHAR NOT NULL,  -- the reading that starts the interval
+    start_session_id   VARCHAR NOT NULL,
+    end_worker_id      VARCHAR NOT NULL,  -- the reading that ends it
+    end_session_id     VARCHAR NOT NULL,
+    weight             DOUBLE NOT NULL,   -- the part's fraction of the interval (parts sum to 1)
+    interval_energy_j  DOUBLE,            -- the whole interval's energy (NULL when unknown)
+    PRIMARY KEY (device_id, end_worker_id, end_session_id, end_seq, worker_id, session_id, model_id)
 );
 CREATE TABLE IF NOT EXISTS energy_attribution (
-    worker_id     VARCHAR NOT NULL,
+    worker_id     VARCHAR NOT NULL,   -- the request's worker (the part's owner)
     session_id    VARCHAR NOT NULL,
     device_id     VARCHAR NOT NULL,
     end_seq       BIGINT NOT NULL,
@@ -112,9 +120,11 @@ CREATE TABLE IF NOT EXISTS energy_attribution (
     method        VARCHAR NOT NULL,
     request_id    VARCHAR,            -- NULL: the idle share, which belongs to the engine/model
     energy_j      DOUBLE,             -- NULL: the interval's energy is unknown (the share still has tokens)
-    prompt_tokens BIGINT NOT NULL,    -- on the window's token carrier only, as in energy_intervals
-    output_tokens BIGINT NOT NULL,
-    is_window_measured BOOLEAN        -- appended (COLUMN_MIGRATIONS): as in energy_intervals
+    prompt_tokens DOUBLE NOT NULL,    -- on the window's token carrier only, as in energy_intervals
+    output_tokens DOUBLE NOT NULL,
+    is_window_measured BOOLEAN,
+    end_worker_id  VARCHAR NOT NULL,  -- with device_id and end_seq: the interval
+    end_session_id VARCHAR NOT NULL
 );
 CREATE TABLE IF NOT EXISTS parked (
     stream     VARCHAR NOT NULL,

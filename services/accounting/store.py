@@ -27,17 +27,9 @@ import duckdb
 
 from proto import EnergySample, UsageRecord
 from services.accounting import costs, schema
-from services.accounting.intervals import (
-    Interval,
-    Limits,
-    Reading,
-    Sample,
-    TokenCount,
-    attribute,
-    derive_intervals,
-    sample_of,
-)
-from services.common.energy_counter import epoch_us
+from services.accounting.device_stream import Part, StreamSample, split
+from services.accounting.intervals import Limits, Reading, Sample, TokenCount, sample_of
+from services.common.energy_counter import US_PER_S, epoch_us
 
 T = TypeVar("T")
 
@@ -75,14 +67,16 @@ _INTERVAL_COLUMNS = (
     ("end_seq", "BIGINT"), ("start_ts", "TIMESTAMPTZ"), ("end_ts", "TIMESTAMPTZ"), ("model_id", "VARCHAR"),
     ("kind", "VARCHAR"), ("method", "VARCHAR"), ("energy_j", "DOUBLE"), ("device_s", "DOUBLE"),
     ("is_reset", "BOOLEAN"), ("is_wrap", "BOOLEAN"), ("is_gap", "BOOLEAN"), ("is_implausible", "BOOLEAN"),
-    ("prompt_tokens", "BIGINT"), ("output_tokens", "BIGINT"), ("is_rapl_ambiguous", "BOOLEAN"),
-    ("is_busy", "BOOLEAN"), ("is_window_measured", "BOOLEAN"),
+    ("prompt_tokens", "DOUBLE"), ("output_tokens", "DOUBLE"), ("is_rapl_ambiguous", "BOOLEAN"),
+    ("is_busy", "BOOLEAN"), ("is_window_measured", "BOOLEAN"), ("start_worker_id", "VARCHAR"),
+    ("start_session_id", "VARCHAR"), ("end_worker_id", "VARCHAR"), ("end_session_id", "VARCHAR"),
+    ("weight", "DOUBLE"), ("interval_energy_j", "DOUBLE"),
 )
 _ATTRIBUTION_COLUMNS = (
     ("worker_id", "VARCHAR"), ("session_id", "VARCHAR"), ("device_id", "VARCHAR"), ("end_seq", "BIGINT"),
     ("start_ts", "TIMESTAMPTZ"), ("end_ts", "TIMESTAMPTZ"), ("model_id", "VARCHAR"), ("method", "VARCHAR"),
-    ("request_id", "VARCHAR"), ("energy_j", "DOUBLE"), ("prompt_tokens", "BIGINT"), ("output_tokens", "BIGINT"),
-    ("is_window_measured", "BOOLEAN"),
+    ("request_id", "VARCHAR"), ("energy_j", "DOUBLE"), ("prompt_tokens", "DOUBLE"), ("output_tokens", "DOUBLE"),
+    ("is_window_measured", "BOOLEAN"), ("end_worker_id", "VARCHAR"), ("end_session_id", "VARCHAR"),
 )
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
@@ -178,12 +172,12 @@ class Ledger:
             self.con.execute(schema.TABLES)
             self.con.execute(schema.MIGRATIONS)
             self._migrate_columns()
+            self._migrate_device_streams()
             self.con.execute(schema.VIEWS)
         self.reader = self.con.cursor()
         self.reader.execute("SET TimeZone = 'UTC'")
         # From here on no connection can change a setting: external access stays off.
         self.con.execute("SET lock_configuration = true")
-        self._last_sample: dict[tuple[str, str], Sample] = {}  # newest stored sample per worker session
 
     def close(self) -> None:
         self.reader.close()
@@ -318,16 +312,12 @@ class Ledger:
         """Store new samples and re-derive the intervals around them, in one transaction.
 
         A sample is identified by ``(worker_id, session_id, seq)``: one already stored is a duplicate and
-        changes nothing. For each worker session the intervals between the stored neighbours of the new
-        samples are deleted and derived again, so late (out-of-order) samples split the interval that
-        spanned them. The hours those intervals touch are marked for the rollup refresh.
+        changes nothing. The device-stream intervals the new samples can change are deleted and derived
+        again (:meth:`_rederive`), so a late (out-of-order) reading splits the interval that spanned it and
+        the tokens around it are spread again. The hours those intervals touch are marked for the refresh.
         """
         unique = {(s.worker_id, s.session_id, s.seq): s for s in batch}
-        try:
-            return self._transaction(lambda: self._insert_energy(list(unique.values()), len(batch)))
-        except BaseException:
-            self._last_sample.clear()  # it may hold samples whose transaction rolled back
-            raise
+        return self._transaction(lambda: self._insert_energy(list(unique.values()), len(batch)))
 
     def _insert_energy(self, samples: list[EnergySample], num_received: int) -> EnergyIngest:
         new_keys = {tuple(k) for k in self._insert(
@@ -348,90 +338,178 @@ class Ledger:
             ("prompt_tokens", "BIGINT"), ("output_tokens", "BIGINT")),
             [(s.worker_id, s.session_id, s.seq, t.request_id, t.prompt_tokens, t.output_tokens)
              for s in new for t in s.request_tokens])
-        by_session: dict[tuple[str, str], list[EnergySample]] = defaultdict(list)
-        for s in new:
-            by_session[(s.worker_id, s.session_id)].append(s)
-        intervals: list[tuple[str, str, Interval]] = []
-        shares: list[tuple[Any, ...]] = []
         dirty: set[float] = set()
-        for (worker_id, session_id), group in by_session.items():
-            for iv, tokens in self._rederive(worker_id, session_id, group, dirty):
-                intervals.append((worker_id, session_id, iv))
-                dirty.update(_hours(iv.start_s, iv.end_s))
-                for sh in attribute(iv, tokens):
-                    shares.append((worker_id, session_id, iv.device_id, iv.end_seq, _ts_us(iv.start_us),
-                                   _ts_us(iv.end_us), iv.model_id, iv.method, sh.request_id, sh.energy_j,
-                                   sh.prompt_tokens, sh.output_tokens, iv.is_window_measured))
-        self._insert("energy_intervals", _INTERVAL_COLUMNS, [
-            (w, s, iv.device_id, iv.start_seq, iv.end_seq, _ts_us(iv.start_us), _ts_us(iv.end_us), iv.model_id,
-             iv.kind, iv.method, iv.energy_j, iv.device_s, iv.is_reset, iv.is_wrap, iv.is_gap, iv.is_implausible,
-             iv.prompt_tokens, iv.output_tokens, iv.is_rapl_ambiguous, iv.is_busy, iv.is_window_measured)
-            for w, s, iv in intervals])
+        if new:
+            self._rederive([sample_of(s) for s in new], [(s.worker_id, s.session_id) for s in new], dirty)
+        self._mark_dirty(dirty)
+        return EnergyIngest(num_new=len(new), num_duplicates=num_received - len(new))
+
+    # ---- device streams (device_stream.py; docs/accounting.md, "Intervals") ----------------------------
+
+    def _rederive(self, new: list[Sample], identities: list[tuple[str, str]], dirty: set[float]) -> None:
+        """Derive again every device interval the new samples can change, and write its parts and shares.
+
+        The span: from the session-previous sample of each new one to its session-next one ([t0, t1]: the new
+        readings and every token window they change). Per device reporting in it, the target is the intervals
+        ending in (a_d, b_d], a_d the device's last reading before t0 and b_d its first after t1 (the interval
+        spanning a new reading, and those its windows overlap). They are derived from every sample within
+        ``max_gap_s`` of the targets (the token windows that reach into them), and each session's sample
+        before those, for its first window."""
+        t0, t1 = self._session_span(new, identities)
+        margin_us = round(self.limits.max_gap_s * US_PER_S)
+        anchors = self._device_anchors(t0, t1, margin_us)
+        if not anchors:
+            return
+        lo = min(a for a, _ in anchors.values())
+        hi = max(b for _, b in anchors.values())
+        samples = self._load_stream(lo - margin_us, hi + margin_us)
+        previous = self._previous_samples(samples)
+        for device_id, (a_us, b_us) in anchors.items():
+            for start_s, end_s in self.con.execute(
+                    "DELETE FROM energy_intervals WHERE device_id = ? AND end_ts > ? AND end_ts <= ? "
+                    "RETURNING epoch(start_ts), epoch(end_ts)", [device_id, _ts_us(a_us), _ts_us(b_us)]).fetchall():
+                dirty.update(_hours(start_s, end_s))
+            self.con.execute("DELETE FROM energy_attribution WHERE device_id = ? AND end_ts > ? AND end_ts <= ?",
+                             [device_id, _ts_us(a_us), _ts_us(b_us)])
+        parts = [p for p in split(samples, self.limits, previous)
+                 if p.device.interval.device_id in anchors
+                 and anchors[p.device.interval.device_id][0] < p.device.interval.end_us
+                 <= anchors[p.device.interval.device_id][1]]
+        self._write_parts(parts, dirty)
+
+    def _write_parts(self, parts: Sequence[Part], dirty: set[float]) -> None:
+        rows, shares = [], []
+        for p in parts:
+            iv, d = p.interval, p.device
+            dirty.update(_hours(iv.start_s, iv.end_s))
+            rows.append((p.worker_id, p.session_id, iv.device_id, iv.start_seq, iv.end_seq, _ts_us(iv.start_us),
+                         _ts_us(iv.end_us), p.model_id, iv.kind, iv.method, iv.energy_j, p.device_s, iv.is_reset,
+                         iv.is_wrap, iv.is_gap, iv.is_implausible, iv.prompt_tokens, iv.output_tokens,
+                         iv.is_rapl_ambiguous, iv.is_busy, iv.is_window_measured, d.start.worker_id,
+                         d.start.session_id, d.end.worker_id, d.end.session_id, p.weight, d.interval.energy_j))
+            shares.extend((p.worker_id, p.session_id, iv.device_id, iv.end_seq, _ts_us(iv.start_us), _ts_us(iv.end_us),
+                           p.model_id, iv.method, sh.request_id, sh.energy_j, sh.prompt_tokens, sh.output_tokens,
+                           iv.is_window_measured, d.end.worker_id, d.end.session_id) for sh in p.shares)
+        self._insert("energy_intervals", _INTERVAL_COLUMNS, rows)
         # energy_attribution has no key (idle shares have no request id): plain insert.
         if shares:
             names = ", ".join(n for n, _ in _ATTRIBUTION_COLUMNS)
             selects = ", ".join(f"unnest(${i + 1}::{k}[])" for i, (_, k) in enumerate(_ATTRIBUTION_COLUMNS))
             self.con.execute(f"INSERT INTO energy_attribution ({names}) SELECT * FROM (SELECT {selects})",
                              [list(c) for c in zip(*shares, strict=True)])
-        self._mark_dirty(dirty)
-        return EnergyIngest(num_new=len(new), num_duplicates=num_received - len(new))
 
-    def _rederive(self, worker_id: str, session_id: str, group: list[EnergySample], dirty: set[float]
-                  ) -> list[tuple[Interval, list[TokenCount]]]:
-        """Intervals (with the end sample's tokens) for the neighbourhood of ``group``'s new samples."""
-        key = (worker_id, session_id)
-        new_samples = sorted((sample_of(s) for s in group), key=lambda s: s.seq)
-        lo, hi = new_samples[0].seq, new_samples[-1].seq
-        last = self._last_sample.get(key)
-        if last is not None and last.seq < lo:
-            # In order (the usual case): the cached newest sample precedes them all; nothing to delete.
-            window = [last, *new_samples]
-            self._last_sample[key] = window[-1]
-        else:
-            window, has_successor = self._load_window(worker_id, session_id, lo, hi)
-            first, final = window[0].seq, window[-1].seq
-            deleted = self.con.execute(
-                "DELETE FROM energy_intervals WHERE worker_id = ? AND session_id = ? AND end_seq > ? AND end_seq <= ? "
-                "RETURNING epoch(start_ts), epoch(end_ts)", [worker_id, session_id, first, final]).fetchall()
-            self.con.execute(
-                "DELETE FROM energy_attribution WHERE worker_id = ? AND session_id = ? AND end_seq > ? "
-                "AND end_seq <= ?", [worker_id, session_id, first, final])
-            for start_s, end_s in deleted:
+    def _session_span(self, new: list[Sample], identities: list[tuple[str, str]]) -> tuple[int, int]:
+        """[t0, t1] µs: the new samples with their sessions' previous and next stored samples."""
+        by_session: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for s, key in zip(new, identities, strict=True):
+            by_session[key].append(s.seq)
+        t0 = min(s.ts_us for s in new)
+        t1 = max(s.ts_us for s in new)
+        for (worker_id, session_id), seqs in by_session.items():
+            row = _one(self.con.execute(
+                "SELECT (SELECT epoch_us(ts) FROM sample_log WHERE worker_id = $1 AND session_id = $2 AND seq < $3 "
+                "ORDER BY seq DESC LIMIT 1), (SELECT epoch_us(ts) FROM sample_log WHERE worker_id = $1 AND "
+                "session_id = $2 AND seq > $4 ORDER BY seq LIMIT 1)", [worker_id, session_id, min(seqs), max(seqs)]))
+            t0 = min(t0, row[0] if row[0] is not None else t0)
+            t1 = max(t1, row[1] if row[1] is not None else t1)
+        return t0, t1
+
+    def _device_anchors(self, t0: int, t1: int, margin_us: int) -> dict[str, tuple[int, int]]:
+        """Per device with a reading in [t0, t1]: (a_d, b_d) µs, its last reading before t0 (t0 - 1 when none)
+        and its first after t1 (t1 when none). The look-back widens from 2 x max_gap_s to the whole history
+        only for a device silent that long, so an ingest reads the recent rows, not a device's history."""
+        devices = [r[0] for r in self.con.execute(
+            "SELECT DISTINCT device_id FROM energy_samples WHERE ts BETWEEN ? AND ?",
+            [_ts_us(t0), _ts_us(t1)]).fetchall()]
+        if not devices:
+            return {}
+        after = dict(self.con.execute(
+            "SELECT device_id, min(epoch_us(ts)) FROM energy_samples WHERE device_id IN (SELECT unnest($1::VARCHAR[])) "
+            "AND ts > $2 GROUP BY ALL", [devices, _ts_us(t1)]).fetchall())
+        before: dict[str, int] = {}
+        for lookback_us in (2 * margin_us, 86400 * US_PER_S, None):
+            missing = [d for d in devices if d not in before]
+            if not missing:
+                break
+            since = _ts_us(t0 - lookback_us) if lookback_us is not None else _EPOCH
+            before.update(self.con.execute(
+                "SELECT device_id, max(epoch_us(ts)) FROM energy_samples WHERE device_id IN "
+                "(SELECT unnest($1::VARCHAR[])) AND ts < $2 AND ts >= $3 GROUP BY ALL",
+                [missing, _ts_us(t0), since]).fetchall())
+        return {d: (before.get(d, t0 - 1), after.get(d, t1)) for d in devices}
+
+    def _load_stream(self, lo_us: int, hi_us: int) -> list[StreamSample]:
+        """Every stored sample (any worker, session or device) with its time in [lo_us, hi_us]."""
+        span = [_ts_us(lo_us), _ts_us(hi_us)]
+        return self._load_samples("ts BETWEEN $1 AND $2", span)
+
+    def _previous_samples(self, samples: Sequence[StreamSample]) -> dict[tuple[str, str], StreamSample]:
+        """Each session's stored sample before its first in ``samples`` (its first window starts there)."""
+        first: dict[tuple[str, str], int] = {}
+        for s in samples:
+            key = (s.worker_id, s.session_id)
+            first[key] = min(first.get(key, s.sample.seq), s.sample.seq)
+        out: dict[tuple[str, str], StreamSample] = {}
+        for (worker_id, session_id), seq in first.items():
+            row = self.con.execute("SELECT max(seq) FROM sample_log WHERE worker_id = ? AND session_id = ? AND seq < ?",
+                                   [worker_id, session_id, seq]).fetchone()
+            if row and row[0] is not None:
+                (prev,) = self._load_samples("worker_id = $1 AND session_id = $2 AND seq = $3",
+                                             [worker_id, session_id, row[0]])
+                out[(worker_id, session_id)] = prev
+        return out
+
+    def _load_samples(self, where: str, args: list[Any]) -> list[StreamSample]:
+        heads = self.con.execute(f"SELECT worker_id, session_id, seq, epoch_us(ts), model_id FROM sample_log "
+                                 f"WHERE {where}", args).fetchall()
+        readings: dict[tuple[str, str, int], dict[str, Reading]] = defaultdict(dict)
+        for (worker_id, session_id, seq, device_id, kind, method, energy_mj, max_range_mj, energy_uj,
+             max_range_uj) in self.con.execute(
+                f"SELECT worker_id, session_id, seq, device_id, kind, method, energy_mj, max_range_mj, energy_uj, "
+                f"max_range_uj FROM energy_samples WHERE {where}", args).fetchall():
+            readings[(worker_id, session_id, seq)][device_id] = Reading(
+                device_id=device_id, kind=kind, method=method, energy_mj=energy_mj, max_range_mj=max_range_mj,
+                energy_uj=energy_uj, max_range_uj=max_range_uj)
+        tokens: dict[tuple[str, str, int], list[TokenCount]] = defaultdict(list)
+        for worker_id, session_id, seq, request_id, prompt, output in self.con.execute(
+                "SELECT t.worker_id, t.session_id, t.seq, t.request_id, t.prompt_tokens, t.output_tokens "
+                f"FROM sample_tokens t JOIN (SELECT worker_id, session_id, seq FROM sample_log WHERE {where}) s "
+                "USING (worker_id, session_id, seq)", args).fetchall():
+            tokens[(worker_id, session_id, seq)].append(
+                TokenCount(request_id=request_id, prompt_tokens=prompt, output_tokens=output))
+        return [StreamSample(worker_id=w, session_id=sess, sample=Sample(
+                    seq=seq, ts_us=ts_us, model_id=model_id, readings=readings.get((w, sess, seq), {}),
+                    tokens=tokens.get((w, sess, seq), []))) for w, sess, seq, ts_us, model_id in heads]
+
+    def _migrate_device_streams(self) -> None:
+        """A ledger whose intervals were per worker session (no ``end_worker_id``): drop the derived
+        intervals and shares, derive them again from the stored samples as device streams, and mark every
+        hour they touch (old and new) dirty. One transaction; a one-off cost of about one ingest of every
+        stored sample (a day's rows in memory at a time)."""
+        present = self.con.execute("SELECT count(*) FROM information_schema.columns WHERE table_name = "
+                                   "'energy_intervals' AND column_name = 'end_worker_id'").fetchone()
+        if present != (0,):
+            return
+
+        def work() -> None:
+            dirty: set[float] = set()
+            for start_s, end_s in self.con.execute("SELECT epoch(start_ts), epoch(end_ts) FROM energy_intervals"
+                                                   ).fetchall():
                 dirty.update(_hours(start_s, end_s))
-            if not has_successor:
-                self._last_sample[key] = window[-1]
-        by_seq = {s.seq: s for s in window}
-        return [(iv, list(by_seq[iv.end_seq].tokens)) for iv in derive_intervals(window, self.limits)]
+            self.con.execute("DROP TABLE energy_intervals")
+            self.con.execute("DROP TABLE energy_attribution")
+            self.con.execute(schema.TABLES)
+            # A day of samples at a time, as if they arrived then (each day's neighbourhood derived again),
+            # so memory holds a day's rows, not the whole retention.
+            lo, hi = _one(self.con.execute("SELECT epoch_us(min(ts)), epoch_us(max(ts)) FROM sample_log"))
+            day_us = 86400 * US_PER_S
+            for start_us in range(lo, hi + 1, day_us) if lo is not None else ():
+                chunk = self._load_samples("ts >= $1 AND ts < $2", [_ts_us(start_us), _ts_us(start_us + day_us)])
+                if chunk:
+                    self._rederive([c.sample for c in chunk], [(c.worker_id, c.session_id) for c in chunk], dirty)
+            self._mark_dirty(dirty)
 
-    def _load_window(self, worker_id: str, session_id: str, lo: int, hi: int) -> tuple[list[Sample], bool]:
-        """Stored samples from the one before ``lo`` to the one after ``hi`` (either may not exist), and
-        whether the one after exists."""
-        row = self.con.execute(
-            "SELECT max(seq) FILTER (seq < $3), min(seq) FILTER (seq > $4) FROM sample_log "
-            "WHERE worker_id = $1 AND session_id = $2", [worker_id, session_id, lo, hi]).fetchone()
-        first = row[0] if row and row[0] is not None else lo
-        has_successor = bool(row and row[1] is not None)
-        last = row[1] if row and has_successor else hi
-        return self._load_samples(worker_id, session_id, first, last), has_successor
-
-    def _load_samples(self, worker_id: str, session_id: str, first: int, last: int) -> list[Sample]:
-        args = [worker_id, session_id, first, last]
-        where = "WHERE worker_id = ? AND session_id = ? AND seq BETWEEN ? AND ?"
-        heads = self.con.execute(f"SELECT seq, epoch_us(ts), model_id FROM sample_log {where} ORDER BY seq",
-                                 args).fetchall()
-        readings: dict[int, dict[str, Reading]] = defaultdict(dict)
-        for seq, device_id, kind, method, energy_mj, max_range_mj, energy_uj, max_range_uj in self.con.execute(
-                f"SELECT seq, device_id, kind, method, energy_mj, max_range_mj, energy_uj, max_range_uj "
-                f"FROM energy_samples {where}", args).fetchall():
-            readings[seq][device_id] = Reading(device_id=device_id, kind=kind, method=method, energy_mj=energy_mj,
-                                               max_range_mj=max_range_mj, energy_uj=energy_uj,
-                                               max_range_uj=max_range_uj)
-        tokens: dict[int, list[TokenCount]] = defaultdict(list)
-        for seq, request_id, prompt, output in self.con.execute(
-                f"SELECT seq, request_id, prompt_tokens, output_tokens FROM sample_tokens {where}", args).fetchall():
-            tokens[seq].append(TokenCount(request_id=request_id, prompt_tokens=prompt, output_tokens=output))
-        return [Sample(seq=seq, ts_us=ts_us, model_id=model_id, readings=readings.get(seq, {}),
-                       tokens=tokens.get(seq, [])) for seq, ts_us, model_id in heads]
+        self._transaction(work)
 
     # ---- rollups, retention, export ---------------------------------------------------------------------
 
@@ -492,7 +570,6 @@ class Ledger:
             return deleted
 
         deleted = self._transaction(work)
-        self._last_sample = {k: s for k, s in self._last_sample.items() if s.ts_s >= cutoff.timestamp()}
         self.con.execute("CHECKPOINT")
         return deleted
 

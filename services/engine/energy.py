@@ -35,6 +35,7 @@ import importlib
 import logging
 import math
 import re
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,7 +146,8 @@ class NvmlMeter:
     """NVML energy per GPU. ``nvml`` is the ``pynvml`` module (or a fake with the same functions and
     ``NVMLError`` classes). ``device_indices`` / ``device_uuids`` restrict the GPUs read; NVML indices
     follow PCI order, which need not match CUDA's numbering under ``CUDA_VISIBLE_DEVICES``, so a caller
-    that knows the torch device's UUID should pass ``device_uuids`` (with or without the ``GPU-`` prefix).
+    that knows the torch device's UUID should pass ``device_uuids`` (with or without the ``GPU-`` prefix;
+    a MIG instance's ``MIG-`` UUID selects its parent GPU, whose UUID the readings carry).
 
     Raises :class:`EnergyMeterUnavailableError` when NVML does not initialise or no GPU matches.
     """
@@ -188,12 +190,31 @@ class NvmlMeter:
             raise EnergyMeterUnavailableError("nvml", f"cannot enumerate GPUs: {e}") from e
         if device_uuids is not None:
             wanted = {_strip_gpu_prefix(u) for u in device_uuids}
-            devices = [d for d in devices if _strip_gpu_prefix(d.uuid) in wanted]
+            devices = [d for d in devices if _strip_gpu_prefix(d.uuid) in wanted
+                       or not wanted.isdisjoint(self._mig_uuids(d.handle))]
         if not devices:
             raise EnergyMeterUnavailableError(
                 "nvml", f"no GPU matches (count={count}, indices={device_indices}, uuids={device_uuids})"
             )
         return devices
+
+    def _mig_uuids(self, handle: Any) -> set[str]:
+        """The UUIDs (``MIG-`` prefix stripped, lower case) of the MIG instances on a physical GPU. A MIG
+        instance has no energy counter of its own: the parent GPU's counter is read and reported under the
+        parent's UUID, so every worker on any slice of one GPU feeds the ledger one stream for it."""
+        nvml = self._nvml
+        try:
+            max_count = int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+        except (nvml.NVMLError, AttributeError):
+            return set()  # not MIG-capable, or an NVML without MIG calls
+        uuids = set()
+        for i in range(max_count):
+            try:
+                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+            except nvml.NVMLError:
+                continue  # an empty slot
+            uuids.add(_as_str(nvml.nvmlDeviceGetUUID(mig)).removeprefix("MIG-").lower())
+        return uuids
 
     @property
     def device_uuids(self) -> list[str]:
@@ -267,7 +288,7 @@ def _as_str(value: str | bytes) -> str:
 
 
 def _strip_gpu_prefix(uuid: str) -> str:
-    return uuid.removeprefix("GPU-").lower()
+    return uuid.removeprefix("GPU-").removeprefix("MIG-").lower()
 
 
 # ---------------------------------------------------------------------------------------------- RAPL
@@ -278,13 +299,26 @@ class RaplZone:
     path: Path
     name: str
     max_range_uj: int
+    host_id: str = ""
 
     @property
     def device_id(self) -> str:
-        return f"rapl:{self.name}"
+        """``rapl:<host>:<zone name>``: the ledger keeps one energy stream per device id, whatever worker
+        reports it, so a zone id must name its host (every host has a ``package-0``)."""
+        return f"rapl:{self.host_id}:{self.name}" if self.host_id else f"rapl:{self.name}"
 
 
-def find_rapl_zones(root: Path = DEFAULT_RAPL_ROOT) -> list[RaplZone]:
+def host_id(machine_id_path: Path = Path("/etc/machine-id")) -> str:
+    """This host's stable id for RAPL device ids: ``/etc/machine-id`` (systemd, stable across reboots and
+    hostname changes), else the hostname."""
+    try:
+        machine_id = machine_id_path.read_text().strip()
+    except OSError:
+        machine_id = ""
+    return machine_id or socket.gethostname()
+
+
+def find_rapl_zones(root: Path = DEFAULT_RAPL_ROOT, host: str = "") -> list[RaplZone]:
     """The readable top-level RAPL zones under ``root``, to be summed without double counting.
 
     Nested zones (``intel-rapl:0:0`` core, ``:0:1`` dram…) are parts of their package and are skipped;
@@ -311,7 +345,7 @@ def find_rapl_zones(root: Path = DEFAULT_RAPL_ROOT) -> list[RaplZone]:
             name = (entry / "name").read_text().strip() or entry.name
         except OSError:
             name = entry.name
-        zones.append(RaplZone(path=entry, name=name, max_range_uj=max_range_uj))
+        zones.append(RaplZone(path=entry, name=name, max_range_uj=max_range_uj, host_id=host))
     non_psys = [z for z in zones if z.name != "psys"]
     return non_psys or zones
 
@@ -321,8 +355,8 @@ class RaplMeter:
     wrap range so the tracker can correct a wrap. Raises :class:`EnergyMeterUnavailableError`
     when no zone is readable."""
 
-    def __init__(self, root: Path = DEFAULT_RAPL_ROOT) -> None:
-        self._zones = find_rapl_zones(root)
+    def __init__(self, root: Path = DEFAULT_RAPL_ROOT, host: str | None = None) -> None:
+        self._zones = find_rapl_zones(root, host_id() if host is None else host)
         if not self._zones:
             raise EnergyMeterUnavailableError("rapl", f"no readable intel-rapl:N/energy_uj under {root}")
 
@@ -425,7 +459,8 @@ class ReplayMeter:
 
 
 def detect_meter(
-    device: str, *, nvml: Any = None, rapl_root: Path = DEFAULT_RAPL_ROOT, device_uuids: Sequence[str] | None = None
+    device: str, *, nvml: Any = None, rapl_root: Path = DEFAULT_RAPL_ROOT, device_uuids: Sequence[str] | None = None,
+    rapl_host: str | None = None,
 ) -> EnergyMeter:
     """The best meter for an engine ``--device`` (``cuda``, ``cuda:N``, ``cpu``); never raises.
 
@@ -439,7 +474,7 @@ def detect_meter(
                 return NvmlMeter(nvml, device_uuids=device_uuids)
             return NvmlMeter(nvml, device_indices=[int(index)] if index else None)
         if kind == "cpu":
-            return RaplMeter(rapl_root)
+            return RaplMeter(rapl_root, rapl_host)
         return UnavailableMeter(device, f"no energy meter for device kind {kind!r}")
     except EnergyMeterUnavailableError as e:
         log.warning("%s; energy will be reported as unavailable", e)

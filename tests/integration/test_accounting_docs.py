@@ -46,8 +46,11 @@ def ledger(tmp_path: Path) -> Iterator[Ledger]:
     ledger.insert_usage([usage("r1", "w1", "k1", t0 + 5, 1), usage("r2", "w1", "k2", t0 + 5, 1),
                          usage("r3", "w2", "k1", t0 + 5, 2)])
     samples: list[EnergySample] = [
-        energy(1, t0, 0, worker="w1"), energy(2, t0 + 5, 1_000_000, worker="w1", tokens=(("r1", 1), ("r2", 1))),
-        energy(1, t0, 0, worker="w2"), energy(2, t0 + 5, 600_000, worker="w2", tokens=(("r3", 2),))]
+        # each worker on a GPU of its own (one GPU's readings form one stream, whatever worker sends them)
+        energy(1, t0, 0, worker="w1", device="GPU-1"),
+        energy(2, t0 + 5, 1_000_000, worker="w1", device="GPU-1", tokens=(("r1", 1), ("r2", 1))),
+        energy(1, t0, 0, worker="w2", device="GPU-2"),
+        energy(2, t0 + 5, 600_000, worker="w2", device="GPU-2", tokens=(("r3", 2),))]
     ledger.insert_energy(samples)
     ledger.refresh_rollups(time.time(), retention_days=30)
     yield ledger

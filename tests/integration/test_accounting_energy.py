@@ -185,11 +185,12 @@ async def test_intervals_across_midnight_are_split_by_time_and_the_30_day_window
     # 4 s across today's midnight: 1 s before (yesterday), 3 s after (today); 400 J in all.
     await publish(energy(1, midnight - 1, 0, tokens=()))
     await publish(energy(2, midnight + 3, 400_000, tokens=(("late", 4),)))
-    # Separate sessions on days -29 (inside the 30-day window) and -31 (outside), 100 J each.
+    # Separate sessions on days -29 (inside the 30-day window) and -31 (outside), 100 J each, on GPUs of
+    # their own (the same GPU's readings would form one stream: a NULL gap interval across the days between).
     for day, session in ((29, "d29"), (31, "d31")):
         base = midnight - day * DAY_S + 3600
-        await publish(energy(1, base, 0, session=session))
-        await publish(energy(2, base + 5, 100_000, session=session))
+        await publish(energy(1, base, 0, session=session, device=f"GPU-{session}"))
+        await publish(energy(2, base + 5, 100_000, session=session, device=f"GPU-{session}"))
     await publish(usage("late", midnight + 3, 4))
     await publish(usage("old", midnight - 31 * DAY_S + 3600, 7))
     async with running(nc, tmp_path / "l.duckdb", retention_days=40) as service:

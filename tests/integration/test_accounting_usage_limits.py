@@ -182,10 +182,13 @@ async def test_key_energy_is_the_same_from_daily_and_hourly_rollups_dirty_hours_
     # Last month, where every hour is in the past: two hours of day 2 and one of day 3, a session each.
     # day 2 01:00: 600 J, rA (k1) 2 tokens, rB (k2) 1; 03:00: 300 J, rB 3; day 3 01:00: 900 J, rC (k1) 2.
     publish = Publisher(nc)
-    for msg in (energy(1, day2_01, 0, session="a"), energy(2, day2_01 + 5, 600_000, session="a",
-                                                           tokens=(("rA", 2), ("rB", 1))),
-                energy(1, day2_03, 0, session="b"), energy(2, day2_03 + 5, 300_000, session="b", tokens=(("rB", 3),)),
-                energy(1, day3_01, 0, session="c"), energy(2, day3_01 + 5, 900_000, session="c", tokens=(("rC", 2),)),
+    # one GPU per session: on one GPU the hours between would be a NULL gap interval (docs/accounting.md)
+    for msg in (energy(1, day2_01, 0, session="a", device="GPU-a"),
+                energy(2, day2_01 + 5, 600_000, session="a", device="GPU-a", tokens=(("rA", 2), ("rB", 1))),
+                energy(1, day2_03, 0, session="b", device="GPU-b"),
+                energy(2, day2_03 + 5, 300_000, session="b", device="GPU-b", tokens=(("rB", 3),)),
+                energy(1, day3_01, 0, session="c", device="GPU-c"),
+                energy(2, day3_01 + 5, 900_000, session="c", device="GPU-c", tokens=(("rC", 2),)),
                 usage("rA", day2_01 + 5, 2, api_key_id="k1"), usage("rB", day2_03 + 5, 1 + 3, api_key_id="k2"),
                 usage("rC", day3_01 + 5, 2, api_key_id="k1")):
         await publish(msg)

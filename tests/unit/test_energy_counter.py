@@ -13,13 +13,12 @@ from typing import Any
 import pytest
 
 from proto import EnergySample
+from services.accounting.device_stream import StreamSample, bridge, device_intervals
 from services.accounting.intervals import (
     Interval,
     Limits,
     Reading,
     Sample,
-    derive_intervals,
-    interval_between,
     sample_of,
 )
 from services.common.energy_counter import (
@@ -107,9 +106,9 @@ def ledger_result(before: Side, after: Side, dt_s: float) -> Interval:
         return Reading(device_id="d", kind=side.kind, method=side.method, energy_mj=side.mj, energy_uj=side.uj,
                        max_range_mj=side.max_range_mj, max_range_uj=side.max_range_uj)
 
-    prev = Sample(seq=1, ts_us=epoch_us(T0), model_id="m")
-    cur = Sample(seq=2, ts_us=epoch_us(T0 + dt_s), model_id="m")
-    return interval_between(prev, reading(before), cur, reading(after), Limits())
+    prev = StreamSample(worker_id="w", session_id="s", sample=Sample(seq=1, ts_us=epoch_us(T0), model_id="m"))
+    cur = StreamSample(worker_id="w", session_id="s", sample=Sample(seq=2, ts_us=epoch_us(T0 + dt_s), model_id="m"))
+    return bridge(prev, reading(before), cur, reading(after), Limits())
 
 
 def engine_flags(result: IntervalEnergy) -> set[str]:
@@ -166,8 +165,14 @@ def test_the_rapl_meter_sends_native_microjoules_and_the_delta_is_exact(tmp_path
     samples = [sample_of(EnergySample(worker_id="w", session_id="s", seq=k, ts_s=t, model_id="m",
                                       readings=[r.to_message() for r in readings]))
                for k, (t, readings) in enumerate([(T0, first), (T0 + 5, second)], start=1)]
-    (ledger,) = derive_intervals(samples, Limits())
+    (ledger,) = ledger_intervals(samples)
     assert ledger.energy_j == iv.energy_j
+
+
+def ledger_intervals(samples: list[Sample]) -> list[Interval]:
+    """The ledger's intervals over one worker session's samples: its device streams (device_stream.py)."""
+    streams = device_intervals([StreamSample(worker_id="w", session_id="s", sample=s) for s in samples], Limits())
+    return [d.interval for ivs in streams.values() for d in ivs]
 
 
 def stream() -> list[tuple[float, list[DeviceReading]]]:
@@ -217,15 +222,21 @@ def test_the_engines_usage_and_the_ledger_count_the_same_joules_for_one_counter_
         engine.extend(tracker.update(readings, t))
         messages.append(EnergySample(worker_id="w", session_id="s", seq=seq, ts_s=t, model_id="m",
                                      readings=[r.to_message() for r in readings]))
-    ledger = derive_intervals([sample_of(m) for m in messages], Limits())
+    ledger = ledger_intervals([sample_of(m) for m in messages])
 
     def known(pairs: list[tuple[str, float, float | None]]) -> list[tuple[str, float, float]]:
         return sorted((d, round(t, 6), j) for d, t, j in pairs if j is not None)
 
     engine_known = known([(i.device_id, i.end_s, i.energy_j) for i in engine])
     ledger_known = known([(i.device_id, i.end_s, i.energy_j) for i in ledger])
-    assert engine_known == ledger_known
-    assert total_energy_j(engine) == math.fsum(i.energy_j for i in ledger if i.energy_j is not None)
+    # The one difference is by design: the ledger keeps one stream per device, so the zone's reading 13
+    # pairs with its reading 11 across the batch it was missing from (exact: the counter is cumulative),
+    # where the engine's tracker starts a new baseline (docs/accounting.md, "Intervals").
+    bridged = ("rapl:package-0", round(T0 + 2455.0, 6), (5_700_000_009 - 4_700_000_008) / 1e6)
+    assert [iv for iv in ledger_known if iv not in engine_known] == [bridged]
+    assert [iv for iv in ledger_known if iv != bridged] == engine_known
+    assert total_energy_j(engine) + bridged[2] == pytest.approx(
+        math.fsum(i.energy_j for i in ledger if i.energy_j is not None), rel=1e-15)
     # and what that is, by hand. GPU: reads 2 and 3, then 7 to 13 and 15 (4 and 5 touch the unavailable
     # read, 6 is the reset, 14 the step back; the 40-minute span has no wrap range, so it is exact).
     gpu_mj = 1_500_000 + 500_000 + 8 * 500_000

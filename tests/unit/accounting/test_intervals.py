@@ -1,4 +1,5 @@
-"""Interval arithmetic and attribution (docs/accounting.md, "Intervals" and "Attribution")."""
+"""Interval arithmetic and attribution over one worker session's stream (docs/accounting.md, "Intervals" and
+"Attribution"): the ledger's own derivation (device_stream.py) fed one session, as an engine sends it."""
 
 from __future__ import annotations
 
@@ -9,17 +10,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proto import EnergyReading, EnergySample
-from services.accounting.intervals import (
-    Limits,
-    Reading,
-    Sample,
-    TokenCount,
-    attribute,
-    derive_intervals,
-    sample_of,
-)
+from services.accounting.device_stream import Part, StreamSample, split
+from services.accounting.intervals import Interval, Limits, Reading, Sample, Share, TokenCount, sample_of
 
 LIMITS = Limits(max_gap_s=60.0, max_device_power_w=3000.0, max_rapl_power_w=600.0)
+
+
+def parts_of(samples: list[Sample], limits: Limits = LIMITS) -> list[Part]:
+    """One session's samples through the ledger's device streams, by end time and device."""
+    parts = split([StreamSample(worker_id="w", session_id="s", sample=x) for x in samples], limits)
+    return sorted(parts, key=lambda p: (p.interval.end_us, p.interval.device_id))
+
+
+def derive_intervals(samples: list[Sample], limits: Limits) -> list[Interval]:
+    return [p.interval for p in parts_of(samples, limits)]
+
+
+def shares_of(samples: list[Sample]) -> list[Share]:
+    return [sh for p in parts_of(samples) for sh in p.shares]
 
 
 def sample(seq: int, ts_s: float, mj: int | None, *, kind: str = "nvml", method: str = "counter",
@@ -86,25 +94,30 @@ def test_a_late_sample_splits_the_interval_that_spanned_it() -> None:
 
 
 def test_energy_is_split_by_output_tokens_and_an_interval_without_tokens_is_idle() -> None:
-    (busy,) = derive_intervals([sample(1, 0.0, 0), sample(2, 5.0, 10_000, tokens=(("a", 3), ("b", 1)))], LIMITS)
-    shares = attribute(busy, [TokenCount(request_id="a", output_tokens=3), TokenCount(request_id="b", output_tokens=1)])
+    shares = shares_of([sample(1, 0.0, 0), sample(2, 5.0, 10_000, tokens=(("a", 3), ("b", 1)))])
     assert {s.request_id: s.energy_j for s in shares} == {"a": 10.0 * 3 / 4, "b": 10.0 * 1 / 4}
-    (idle,) = derive_intervals([sample(1, 0.0, 0), sample(2, 5.0, 10_000)], LIMITS)
-    assert [(s.request_id, s.energy_j) for s in attribute(idle, [])] == [(None, 10.0)]
+    idle = shares_of([sample(1, 0.0, 0), sample(2, 5.0, 10_000)])
+    assert [(s.request_id, s.energy_j) for s in idle] == [(None, 10.0)]
+
+
+def with_tokens(x: Sample, *tokens: TokenCount) -> Sample:
+    return Sample(seq=x.seq, ts_us=x.ts_us, model_id=x.model_id, readings=x.readings, tokens=list(tokens))
 
 
 def test_prefill_only_intervals_are_split_by_prompt_tokens() -> None:
-    (iv,) = derive_intervals([sample(1, 0.0, 0), sample(2, 5.0, 9_000)], LIMITS)
-    shares = attribute(iv, [TokenCount(request_id="a", prompt_tokens=2), TokenCount(request_id="b", prompt_tokens=1)])
+    shares = shares_of([sample(1, 0.0, 0), with_tokens(sample(2, 5.0, 9_000),
+                                                       TokenCount(request_id="a", prompt_tokens=2),
+                                                       TokenCount(request_id="b", prompt_tokens=1))])
     assert {s.request_id: s.energy_j for s in shares} == pytest.approx({"a": 6.0, "b": 3.0})
 
 
 def test_an_unknown_energy_gives_its_requests_shares_without_energy_and_no_idle_share() -> None:
-    (iv,) = derive_intervals([sample(1, 0.0, 9_000), sample(2, 5.0, 0)], LIMITS)
-    shares = attribute(iv, [TokenCount(request_id="a", output_tokens=5), TokenCount(request_id="b", prompt_tokens=7)])
+    shares = shares_of([sample(1, 0.0, 9_000), with_tokens(sample(2, 5.0, 0),
+                                                           TokenCount(request_id="a", output_tokens=5),
+                                                           TokenCount(request_id="b", prompt_tokens=7))])
     # b only prefilled while a produced output: output tokens are the weights, so b has no share
     assert [(s.request_id, s.energy_j, s.output_tokens) for s in shares] == [("a", None, 5)]
-    assert attribute(iv, []) == []
+    assert shares_of([sample(1, 0.0, 9_000), sample(2, 5.0, 0)]) == []
 
 
 def test_durations_are_whole_microseconds_as_stored_not_differences_of_float_seconds() -> None:
@@ -147,26 +160,29 @@ def tp_sample(seq: int, ts_s: float, mj: dict[str, int | None], tokens: tuple[tu
 
 
 def test_a_tensor_parallel_window_counts_its_tokens_once_on_its_smallest_device() -> None:
-    a, b = derive_intervals([tp_sample(1, 0.0, {"GPU-1": 0, "GPU-0": 0}),
-                             tp_sample(2, 5.0, {"GPU-1": 900_000, "GPU-0": 1_000_000}, (("r", 7),))], LIMITS)
-    assert [(i.device_id, i.energy_j, i.output_tokens, i.is_token_carrier) for i in (a, b)] == [
-        ("GPU-0", 1000.0, 7, True), ("GPU-1", 900.0, 0, False)]
+    samples = [tp_sample(1, 0.0, {"GPU-1": 0, "GPU-0": 0}),
+               tp_sample(2, 5.0, {"GPU-1": 900_000, "GPU-0": 1_000_000}, (("r", 7),))]
+    a, b = derive_intervals(samples, LIMITS)
+    assert [(i.device_id, i.energy_j, i.output_tokens) for i in (a, b)] == [("GPU-0", 1000.0, 7), ("GPU-1", 900.0, 0)]
     assert a.is_busy and b.is_busy and a.is_window_measured and b.is_window_measured
-    shares = [sh for iv in (a, b) for sh in attribute(iv, [TokenCount(request_id="r", output_tokens=7)])]
+    shares = shares_of(samples)
     assert [(sh.request_id, sh.energy_j, sh.output_tokens) for sh in shares] == [("r", 1000.0, 7), ("r", 900.0, 0)]
 
 
-def test_a_window_with_a_device_unavailable_or_missing_from_one_sample_is_not_measured() -> None:
+def test_a_window_with_a_device_unavailable_is_not_measured_and_a_device_missing_from_one_sample_pairs_across_it(
+        ) -> None:
     ivs = derive_intervals([tp_sample(1, 0.0, {"GPU-0": 0, "GPU-1": 0}),
                             tp_sample(2, 5.0, {"GPU-0": 1_000, "GPU-1": None}),
                             tp_sample(3, 10.0, {"GPU-0": 2_000, "GPU-1": 2_000}),
-                            tp_sample(4, 15.0, {"GPU-0": 3_000}),  # GPU-1 not listed: its energy is unknown
+                            tp_sample(4, 15.0, {"GPU-0": 3_000}),  # GPU-1 not listed: its stream goes 3 → 5
                             tp_sample(5, 20.0, {"GPU-0": 4_000, "GPU-1": 4_000})], LIMITS)
     assert [(i.end_seq, i.device_id, i.energy_j, i.is_window_measured) for i in ivs] == [
         (2, "GPU-0", 1.0, False), (2, "GPU-1", None, False),
         (3, "GPU-0", 1.0, False), (3, "GPU-1", None, False),
-        (4, "GPU-0", 1.0, False),
-        (5, "GPU-0", 1.0, False)]
+        (4, "GPU-0", 1.0, True),  # GPU-1's 3 → 5 covers this window, measured
+        (5, "GPU-0", 1.0, True), (5, "GPU-1", (4_000 - 2_000) / 1000, True)]
+    # no device-time is missing: GPU-1's 20 s are all there
+    assert sum(i.device_s for i in ivs if i.device_id == "GPU-1") == 20.0
 
 
 counters = st.lists(st.one_of(st.none(), st.integers(0, 10**9)), min_size=2, max_size=30)
@@ -180,14 +196,15 @@ def test_conservation_and_non_negativity_for_any_counter_sequence(values, steps,
     samples = []
     for seq, (mj, step) in enumerate(zip(values, steps, strict=False)):
         ts += step
-        samples.append(sample(seq, ts, mj, kind="rapl", max_range_mj=max_range or None))
-    for iv in derive_intervals(samples, LIMITS):
-        assert iv.energy_j is None or iv.energy_j >= 0
         tokens = [TokenCount(request_id=r, prompt_tokens=p, output_tokens=o) for r, p, o in data.draw(token_lists)]
-        shares = attribute(iv, tokens)
+        samples.append(with_tokens(sample(seq, ts, mj, kind="rapl", max_range_mj=max_range or None), *tokens))
+    for part in parts_of(samples):
+        iv = part.interval
+        assert part.weight == 1.0  # one worker: its part is the whole interval
+        assert iv.energy_j is None or iv.energy_j >= 0
         if iv.energy_j is None:
-            assert all(s.energy_j is None and s.request_id is not None for s in shares)
+            assert all(s.energy_j is None and s.request_id is not None for s in part.shares)
         else:
-            assert all(s.energy_j is not None and s.energy_j >= 0 for s in shares)
-            assert math.isclose(math.fsum(s.energy_j or 0.0 for s in shares), iv.energy_j, rel_tol=1e-12,
+            assert all(s.energy_j is not None and s.energy_j >= 0 for s in part.shares)
+            assert math.isclose(math.fsum(s.energy_j or 0.0 for s in part.shares), iv.energy_j, rel_tol=1e-12,
                                 abs_tol=1e-9)

@@ -5,6 +5,7 @@ guessed, one RAPL wrap is corrected, gaps are flagged but keep their energy, una
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from services.engine.energy import (
     UnavailableMeter,
     detect_meter,
     find_rapl_zones,
+    host_id,
     total_energy_j,
 )
 
@@ -141,6 +143,38 @@ def test_nvml_meter_can_be_restricted_to_one_device_index_or_uuid() -> None:
     assert [r.device_id for r in NvmlMeter(two_gpus(), device_uuids=["aaaa"]).read(0.0)] == ["GPU-aaaa"]
 
 
+class FakeMigNvml(FakeNvml):
+    """NVML with MIG: GPU handle ``g`` holds the instances ``mig`` lists (handles ``(g, slot)``)."""
+
+    def __init__(self, devices: list[dict[str, Any]], mig: dict[int, list[str | None]]) -> None:
+        super().__init__(devices)
+        self.mig = mig
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: int) -> int:
+        return len(self.mig.get(handle, []))
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: int, index: int) -> tuple[int, int]:
+        if self.mig[handle][index] is None:
+            raise pynvml.NVMLError_NotFound()
+        return (handle, index)
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        if isinstance(handle, tuple):
+            return str(self.mig[handle[0]][handle[1]])
+        return super().nvmlDeviceGetUUID(handle)
+
+
+def test_a_mig_instance_reads_its_parent_gpus_counter_under_the_parents_uuid() -> None:
+    # A MIG slice has no counter of its own; every worker on any slice of one GPU reports that GPU's
+    # stream, which the ledger counts once (docs/accounting.md, "Intervals").
+    nvml = FakeMigNvml([{"uuid": "GPU-aaaa", "energy_mj": 1_000, "power_mw": 0},
+                        {"uuid": "GPU-bbbb", "energy_mj": 2_000, "power_mw": 0}],
+                       mig={1: ["MIG-b-one", None, "MIG-b-two"]})
+    for wanted in (["MIG-b-two"], ["b-one"], ["MIG-b-one", "MIG-b-two"]):
+        assert [(r.device_id, r.energy_mj) for r in NvmlMeter(nvml, device_uuids=wanted).read(0.0)] == [
+            ("GPU-bbbb", 2_000)]
+
+
 def test_detect_meter_for_cuda_n_reads_only_gpu_n() -> None:
     meter = detect_meter("cuda:1", nvml=two_gpus())
     assert [r.device_id for r in meter.read(0.0)] == ["GPU-bbbb"]
@@ -176,12 +210,23 @@ def test_rapl_meter_reads_package_zones_and_skips_nested_zones(tmp_path: Path) -
     write_zone(tmp_path, "intel-rapl:1", "package-1", 7_000_000)
     write_zone(tmp_path, "intel-rapl-mmio:0", "package-0", 5_000_000)  # the same package counter again
 
-    readings = RaplMeter(tmp_path).read(1.0)
+    readings = RaplMeter(tmp_path, host="h1").read(1.0)
 
     assert [(r.device_id, r.kind, r.method, r.energy_mj, r.max_range_mj) for r in readings] == [
-        ("rapl:package-0", "rapl", "counter", 5_000_000 // 1000, 262_143_000_000 // 1000),
-        ("rapl:package-1", "rapl", "counter", 7_000_000 // 1000, 262_143_000_000 // 1000),
+        ("rapl:h1:package-0", "rapl", "counter", 5_000_000 // 1000, 262_143_000_000 // 1000),
+        ("rapl:h1:package-1", "rapl", "counter", 7_000_000 // 1000, 262_143_000_000 // 1000),
     ]
+
+
+def test_a_rapl_zone_id_names_its_host_so_two_hosts_package_0_are_two_devices(tmp_path: Path) -> None:
+    # The ledger keeps one stream per device id (docs/accounting.md, "Intervals"): every host has a package-0.
+    write_zone(tmp_path, "intel-rapl:0", "package-0", 1_000)
+    (tmp_path / "machine-id").write_text("0123abcd\n")
+    assert host_id(tmp_path / "machine-id") == "0123abcd"
+    assert host_id(tmp_path / "no-machine-id") == socket.gethostname()
+    ids = {RaplMeter(tmp_path, host=h).read(0.0)[0].device_id for h in ("h1", "h2")}
+    assert ids == {"rapl:h1:package-0", "rapl:h2:package-0"}
+    assert RaplMeter(tmp_path).read(0.0)[0].device_id == f"rapl:{host_id()}:package-0"
 
 
 def test_rapl_psys_is_used_only_when_there_is_no_package_zone(tmp_path: Path) -> None:
