@@ -89,12 +89,6 @@ CREATE TABLE IF NOT EXISTS limit_usage (
     counter  TEXT PRIMARY KEY,  -- "<principal>|<kind>|<window>": this gateway's settled amount
     amount   REAL NOT NULL
 );
-CREATE TABLE IF NOT EXISTS key_usage (
-    key_id  TEXT NOT NULL,
-    day     TEXT NOT NULL,
-    tokens  INTEGER NOT NULL,
-    PRIMARY KEY (key_id, day)
-);
 """
 
 
@@ -600,19 +594,6 @@ class IdentityStore:
             self.db.execute("BEGIN")
             self.db.execute("DELETE FROM limit_usage")
             self.db.executemany("INSERT INTO limit_usage VALUES (?, ?)", list(counters.items()))
-
-    # ---- per-key daily token counts (the quota) ----------------------------------------------------
-
-    def load_usage(self, day: str) -> dict[str, int]:
-        return dict(self.db.execute("SELECT key_id, tokens FROM key_usage WHERE day = ?", (day,)).fetchall())
-
-    def save_usage(self, day: str, tokens: dict[str, int]) -> None:
-        with self.db:
-            self.db.execute("BEGIN")
-            self.db.executemany(
-                "INSERT INTO key_usage VALUES (?, ?, ?) "
-                "ON CONFLICT (key_id, day) DO UPDATE SET tokens = excluded.tokens",
-                [(key_id, day, n) for key_id, n in tokens.items()])
 
 
 def _load_secret(path: Path) -> bytes:

@@ -34,7 +34,7 @@ import collections
 import datetime as dt
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Literal
 
 LimitKind = Literal["tokens_per_day", "requests_per_minute", "tokens_per_minute", "usd_per_month",
@@ -67,10 +67,6 @@ class Limits:
     def get(self, kind: str) -> float | None:
         value = getattr(self, kind)
         return None if value is None else float(value)
-
-    @property
-    def is_empty(self) -> bool:
-        return all(getattr(self, f.name) is None for f in fields(self))
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,7 @@ class GatewayService:
         subs = [await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat),
                 await self.nc.subscribe(subjects.AUTH_CHECK, cb=self._on_auth_check),
                 await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self._on_config_changed),
-                await self.nc.subscribe(subjects.QUOTA_ALL, cb=self._on_key_usage_elsewhere)]
+                await self.nc.subscribe(subjects.QUOTA_ALL, cb=self._on_limit_counters_elsewhere)]
         await self._load_known_workers()
         await self._acked.start()
         async with self.http, asyncio.TaskGroup() as tasks:
@@ -195,7 +195,7 @@ class GatewayService:
                           tasks.create_task(self._save_routing_tables(), name="routing-tables"),
                           tasks.create_task(save_usage_periodically(self.auth), name="key-usage"),
                           tasks.create_task(self.identity_sync.run(), name="identity-sync"),
-                          tasks.create_task(self._share_key_usage(), name="key-usage-share"),
+                          tasks.create_task(self._share_limit_counters(), name="limit-counters-share"),
                           tasks.create_task(self._poll_key_energy(), name="key-energy")]
             self._config_mtime = _mtime(self.config_path)
             background.append(tasks.create_task(self._watch_config(), name="config-watch"))
@@ -237,7 +237,7 @@ class GatewayService:
         with contextlib.suppress(Exception):
             await msg.respond(msgspec.json.encode(reply))
 
-    async def _share_key_usage(self) -> None:
+    async def _share_limit_counters(self) -> None:
         """Tell the other gateways what this one counted against every limit, so limits hold fleet-wide."""
         told: dict[str, float] | None = None
         seq = 0
@@ -288,7 +288,7 @@ class GatewayService:
                     kwh[principal.principal_id] += joules / 3.6e6
             self.auth.book.set_energy(month, dict(kwh), reply.as_of_s)
 
-    async def _on_key_usage_elsewhere(self, msg: Msg) -> None:
+    async def _on_limit_counters_elsewhere(self, msg: Msg) -> None:
         try:
             message = decode(msg.data, LimitCounters)
         except ProtoDecodeError:
@@ -441,9 +441,8 @@ class GatewayService:
                 + usage.completion_tokens * prices.output_usd_per_m) / 1e6
 
     def _record_usage(self, parsed: openai_api.ParsedRequest, request_id: str, key: ApiKey | None,
-                      outcome: _Outcome, started_s: float, wall_s: float) -> None:
+                      outcome: _Outcome, usage: Usage, source: str, started_s: float, wall_s: float) -> None:
         self._seq += 1
-        usage, source = outcome.meter.result()
         latency_s = time.monotonic() - started_s
         record = UsageRecord(
             gateway_id=self.config.gateway_id, session_id=self.session_id, seq=self._seq, ts_s=wall_s,
@@ -704,8 +703,8 @@ class GatewayService:
             raise
         finally:
             def settle() -> None:
-                self._record_usage(parsed, request_id, key, outcome, started, wall)
                 usage, source = outcome.meter.result()
+                self._record_usage(parsed, request_id, key, outcome, usage, source, started, wall)
                 if outcome.meter.prompt_tokens is not None or source in ("member", "engine"):
                     self.prompt_estimator.observe(parsed.model, routing_adapter.prompt_chars(parsed),
                                                   usage.prompt_tokens)
