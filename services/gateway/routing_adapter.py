@@ -113,11 +113,21 @@ class Router:
             setattr(self, "affinity" if cls is AffinityTable else "pins", table)
         log.info("routing tables restored: %d affinity entries", len(self.affinity))
 
-    def save(self, now_s: float) -> None:
+    def snapshot(self, now_s: float) -> list[tuple[Path, str]]:
+        """The tables as file texts. Taken on the event loop, which is what changes the tables: serialising
+        them on another thread raced with routing ("OrderedDict mutated during iteration")."""
         if self.dir is None:
-            return
-        atomic_write_text(self.dir / "affinity.json", self.affinity.to_json(now_s))
-        atomic_write_text(self.dir / "pins.json", self.pins.to_json(now_s))
+            return []
+        return [(self.dir / "affinity.json", self.affinity.to_json(now_s)),
+                (self.dir / "pins.json", self.pins.to_json(now_s))]
+
+    @staticmethod
+    def write(snapshot: list[tuple[Path, str]]) -> None:
+        for path, text in snapshot:
+            atomic_write_text(path, text)
+
+    def save(self, now_s: float) -> None:
+        self.write(self.snapshot(now_s))
 
     def load_of(self, kind: str, hb: SlotHeartbeat, previous: SlotHeartbeat | None) -> float | None:
         return routing.load_score(kind, hb, previous, 0, self.weights)

@@ -388,7 +388,7 @@ class GatewayService:
         while True:
             await asyncio.sleep(30.0)
             try:
-                await asyncio.to_thread(self.router.save, time.time())
+                await asyncio.to_thread(self.router.write, self.router.snapshot(time.time()))
             except OSError as exc:
                 log.warning("routing tables not saved: %s", exc)
 
