@@ -41,8 +41,9 @@ def find_binary() -> str:
     return found
 
 
-def _set_parent_death_signal() -> None:
-    # Linux: if our process dies (even by SIGKILL) the child gets SIGTERM, so nothing is left running.
+def set_parent_death_signal() -> None:
+    """A ``preexec_fn`` for child processes: on Linux, when our process dies (even by SIGKILL) the child
+    gets SIGTERM, so nothing is left running; elsewhere it does nothing."""
     with contextlib.suppress(Exception):
         import ctypes
 
@@ -80,7 +81,7 @@ class EmbeddedNatsServer:
             find_binary(), "-c", str(conf),
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
-            preexec_fn=_set_parent_death_signal if os.name == "posix" else None,
+            preexec_fn=set_parent_death_signal if os.name == "posix" else None,
             # not in the terminal's process group: Ctrl-C reaches our process, which stops the services
             # that use the bus first and the server last (they drain instead of losing it mid-shutdown)
             start_new_session=True,

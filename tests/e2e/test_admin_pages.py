@@ -320,7 +320,7 @@ PASSWORD = "a-long-password-1"
 
 
 def _llmgw(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.common.cli", *args], cwd=REPO, input=stdin,
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, input=stdin,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -330,7 +330,7 @@ def _gateway(nats_url: str, data: Path) -> Iterator[tuple[str, Followed]]:
     # Buffered stdout: print() then writes a line in one piece, never split by a log line on stderr
     # (unbuffered, "…:36821" and a log line's "2026-…" can end up on one line of the merged output).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    gw = Followed([sys.executable, "-m", "services.common.cli", "gateway", "--nats", nats_url, "--port", "0",
+    gw = Followed([sys.executable, "-m", "services.cli", "gateway", "--nats", nats_url, "--port", "0",
                    "--data-dir", str(data), "--gateway-id", "gw-e2e"], marker=GATEWAY_READY, env=env)
     try:
         yield gw.wait_ready(60).split(GATEWAY_READY, 1)[1].split()[0], gw

@@ -6,7 +6,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.common.cli", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -46,7 +46,7 @@ def _alive(pid: int) -> bool:
 def test_llmgw_up_serves_a_request_records_usage_and_stops_everything(tiny_model: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
-    stack = Followed([sys.executable, "-m", "services.common.cli", "up", "--model", str(tiny_model), "--model-id",
+    stack = Followed([sys.executable, "-m", "services.cli", "up", "--model", str(tiny_model), "--model-id",
                       "tiny", "--port", "0", "--data-dir", str(data)], marker="llmgw is up.", env=env,
                      own_group=True)
     proc = stack.proc
@@ -72,7 +72,7 @@ def test_llmgw_up_serves_a_request_records_usage_and_stops_everything(tiny_model
         )
         assert isinstance(text, str)
 
-        cli = [sys.executable, "-m", "services.common.cli", "sql", "--data-dir", str(data), "--format", "csv"]
+        cli = [sys.executable, "-m", "services.cli", "sql", "--data-dir", str(data), "--format", "csv"]
         deadline = time.monotonic() + 30
         while True:
             out = subprocess.run([*cli, "select count(*) as n from requests"], cwd=REPO, env=env,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common import stack
+from services.cli import stack
 
 SHIPPED = Path(__file__).resolve().parents[2] / "models" / "demo-qwen3"
 

@@ -5,6 +5,11 @@ gateway services as child processes, each with its own log prefix. Prints where 
 and how to call it once every child has printed its readiness line. Ctrl-C (or SIGTERM) stops every
 child, then the NATS server: nothing is left running. A child that exits on its own is restarted;
 one that keeps exiting (5 times in a minute) stops the whole stack with its name.
+
+Part of the composition root (:mod:`services.cli`), the one place that knows every service: it imports
+``services.gateway.identity`` to create the first admin user and API key before the gateway starts, so the
+banner can show them. That import from one service's package is acceptable only here, because this package
+sits above every service and nothing imports it; services themselves never import each other.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.common.nats_server import EmbeddedNatsServer, _set_parent_death_signal
+from services.common.nats_server import EmbeddedNatsServer, set_parent_death_signal
 from services.common.runtime import data_dir, run_async_main, setup_logging, write_stack_file
 
 log = logging.getLogger("llmgw.up")
@@ -62,7 +67,7 @@ class Child:
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv, env=self.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             # Own session: Ctrl-C reaches only the supervisor, which stops children in order.
-            preexec_fn=_set_parent_death_signal, start_new_session=True,
+            preexec_fn=set_parent_death_signal, start_new_session=True,
         )
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._pumps = [

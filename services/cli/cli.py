@@ -15,7 +15,7 @@ import importlib
 import sys
 
 ROLES = {
-    "up": "services.common.stack",
+    "up": "services.cli.stack",
     "gateway": "services.gateway.__main__",
     "engine": "services.engine.__main__",
     "telemetry": "services.telemetry.__main__",
