@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -62,3 +63,18 @@ async def post(http: aiohttp.ClientSession, url: str, body: Any, headers: dict[s
                 result.body = raw
     result.elapsed_s = time.monotonic() - started
     return result
+
+
+async def keep_posting(http: aiohttp.ClientSession, url: str, headers: dict[str, str], name: str,
+                       sent: list[tuple[float, Result]], stop: asyncio.Event, pause_s: float,
+                       timeout_s: float = 60.0) -> None:
+    """One client of a steady load, until ``stop`` is set: POST a 4-token chat request (content
+    ``"{name} {n}"``, n = 1, 2, …), append (the monotonic time it was sent, the result) to ``sent``, pause
+    ``pause_s``, again."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+        t0 = time.monotonic()
+        res = await post(http, url, chat_body(4, False, f"{name} {n}"), headers, timeout_s=timeout_s)
+        sent.append((t0, res))
+        await asyncio.sleep(pause_s)

@@ -22,8 +22,9 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 
 from proto import UsageRecord, decode, subjects
@@ -32,6 +33,9 @@ from services.common.bus import connect, ensure_bus
 from services.common.runtime import raise_if_cancelling
 from services.gateway.service import GatewayConfig, GatewayService
 from tests.e2e.procs import Followed
+
+if TYPE_CHECKING:  # threaded.py imports this module
+    from tests.faults.threaded import ThreadedGateway
 
 PYTHON = sys.executable
 FAULTS_DIR = Path(__file__).resolve().parent
@@ -292,6 +296,14 @@ def module_logs() -> Iterator[LogCounter]:
     """What the services logged over one test module (the fuzz modules check it once at the end)."""
     with counting_logs() as counter:
         yield counter
+
+
+@pytest.fixture(scope="module")
+def client(tg: ThreadedGateway) -> Iterator[httpx.Client]:
+    """A plain HTTP client of the module's threaded gateway (each fuzz module defines its own ``tg``); no
+    cookie jar use: each case sends its own."""
+    with httpx.Client(base_url=tg.url, timeout=30) as c:
+        yield c
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from proto import subjects
-from tests.faults.client import Result, chat_body, post
+from tests.faults.client import Result, keep_posting
 from tests.faults.conftest import accounting_proc, engine_proc, gateway_in_process, procs, sql, stream_count, wait_until
 
 OUTAGE_S = 120.0  # "down for minutes" (issue #12); the test's own run time is this plus about 20 s
@@ -39,16 +39,8 @@ async def test_accounting_down_for_two_minutes_under_traffic_ingests_every_recor
             url = g.url + "/v1/chat/completions"
             sent: list[tuple[float, Result]] = []  # (when it was sent, what came back)
             stop = asyncio.Event()
-
-            async def client(i: int) -> None:
-                n = 0
-                while not stop.is_set():
-                    n += 1
-                    t0 = time.monotonic()
-                    sent.append((t0, await post(http, url, chat_body(4, False, f"c{i} {n}"), g.auth)))
-                    await asyncio.sleep(PAUSE_S)
-
-            clients = [asyncio.create_task(client(i)) for i in range(2)]
+            clients = [asyncio.create_task(keep_posting(http, url, g.auth, f"c{i}", sent, stop, PAUSE_S))
+                       for i in range(2)]
             await wait_until(lambda: len(sent) >= 20, 20)
             accounting.kill()
             killed_at = time.monotonic()

@@ -65,12 +65,6 @@ def people(tg: ThreadedGateway) -> dict[str, Any]:
     return {**found, "admin_password": admin_password}
 
 
-@pytest.fixture(scope="module")
-def client(tg: ThreadedGateway) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=tg.url, timeout=30) as c:  # no cookie jar use: each case sends its own
-        yield c
-
-
 def _session(tg: ThreadedGateway, user: Any) -> tuple[str, str]:
     """A fresh session of ``user``: (cookie value, CSRF token)."""
     cookie, session = tg.call(lambda: tg.gw.gateway.identity.create_session(user, time.time()))

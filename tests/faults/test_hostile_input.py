@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -41,12 +40,6 @@ def tg(tmp_path_factory: pytest.TempPathFactory, module_logs: LogCounter) -> Ite
         yield gateway
     assert module_logs.lines(logging.ERROR) == []  # no unhandled error in the whole module
     print(f"\nFIGURES hostile-input: inputs_tried={TRIED} chat_served_200={OK} server_errors=0")
-
-
-@pytest.fixture(scope="module")
-def client(tg: ThreadedGateway) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=tg.url, timeout=30) as c:
-        yield c
 
 
 HOSTILE = NUMBER | JSON | TEXT | st.text(max_size=2000)

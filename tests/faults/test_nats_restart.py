@@ -15,7 +15,7 @@ import pytest
 
 from services.common.nats_server import EmbeddedNatsServer
 from tests.conftest import LONG_GENERATION_TOKENS
-from tests.faults.client import Result, chat_body, post
+from tests.faults.client import Result, chat_body, keep_posting, post
 from tests.faults.conftest import engine_proc, gateway_in_process, procs, read_usage, wait_until
 
 HEARTBEAT_S = 0.25
@@ -42,18 +42,8 @@ async def test_a_nats_restart_costs_fast_503s_only_and_loses_no_usage_record(lon
                 url = g.url + "/v1/chat/completions"
                 sent: list[tuple[float, Result]] = []
                 stop = asyncio.Event()
-
-                async def client(i: int) -> None:
-                    n = 0
-                    while not stop.is_set():
-                        n += 1
-                        t0 = time.monotonic()
-                        res = await post(http, url, chat_body(4, False, f"c{i} {n}"), g.auth,
-                                         timeout_s=CLIENT_TIMEOUT_S)
-                        sent.append((t0, res))
-                        await asyncio.sleep(0.05)
-
-                clients = [asyncio.create_task(client(i)) for i in range(3)]
+                clients = [asyncio.create_task(keep_posting(http, url, g.auth, f"c{i}", sent, stop, 0.05,
+                                                            timeout_s=CLIENT_TIMEOUT_S)) for i in range(3)]
                 long_body = chat_body(LONG_GENERATION_TOKENS, True, "long")
                 long_stream = asyncio.create_task(post(http, url, long_body, g.auth))
                 await wait_until(lambda: sum(r.status == 200 for _, r in sent) >= 10, 20)

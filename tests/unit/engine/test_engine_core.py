@@ -16,18 +16,10 @@ from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.errors import ContextLengthExceededError, QueueFullError
 from services.engine.llm import greedy
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
+from tests.unit.engine.fake_clock import FakeClock
 from tests.unit.engine.model_helpers import hf_greedy, hf_model
 
 NUM_NEW = 12
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        self.t += 0.001
-        return self.t
 
 
 def run_staggered(core: EngineCore, prompts: list[list[int]], arrivals: list[int], max_tokens: int = NUM_NEW,

@@ -36,6 +36,7 @@ from services.engine.tiny_checkpoint import write_tiny_checkpoint
 from services.engine.usage_ledger import UsageLedger
 from services.engine.views import RequestStats, metrics_text, usage_body
 from services.engine.worker import output_chunk
+from tests.unit.engine.fake_clock import FakeClock
 
 BLOCK_SIZE = 4
 SHARED = [5, 17, 300, 42, 99, 7, 8, 200, 201, 11, 12, 13]  # three blocks shared by some prompts
@@ -49,15 +50,6 @@ PROMPTS = [
 ]
 ARRIVALS = [0, 0, 1, 3, 3, 6]
 MAX_TOKENS = [24, 30, 17, 26, 31, 20]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        self.t += 0.001
-        return self.t
 
 
 def make_core(target: Path, spec: SpecConfig | None = None, **kwargs: object) -> EngineCore:
