@@ -192,12 +192,12 @@ def check_layers(edges: Iterable[Import], layers: Mapping[str, tuple[int, str]] 
         (rank_a, col_a), (rank_b, col_b) = layers[a], layers[b]
         if col_a == TOP:
             continue
-        if col_b not in (SHARED, col_a):
+        if col_b == TOP:
+            findings.append(Finding(e, f"layer: {b} is the composition root; nothing imports it"))
+        elif col_b not in (SHARED, col_a):
             findings.append(
                 Finding(e, f"layer: services never import each other ({a} [{col_a}] -> {b} [{col_b}])")
             )
-        elif col_b == TOP:
-            findings.append(Finding(e, f"layer: {b} is the composition root; nothing imports it"))
         elif rank_b > rank_a:
             findings.append(Finding(e, f"layer: upward import ({a} rank {rank_a} -> {b} rank {rank_b})"))
         elif rank_b == rank_a:
