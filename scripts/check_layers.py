@@ -36,6 +36,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "proto": (0, "shared"),  # the bus contract: imports no service
     "services.common": (1, "shared"),  # the small common runtime every service may use
     # the engine, bottom to top
+    "services.engine.errors": (1, "engine"),  # the engine's exception tree: a leaf every engine layer raises from
     "services.engine.kernels": (2, "engine"),  # tensor kernels (triton, CPU)
     "services.engine.core": (2, "engine"),  # scheduling, block pool, requests: no tensors
     "services.engine.model": (3, "engine"),  # model, attention, KV cache, sampler, runner

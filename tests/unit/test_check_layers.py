@@ -246,3 +246,16 @@ def test_tests_and_other_folders_are_not_read(tmp_path):
     })
     assert sorted(cl.find_modules(tmp_path)) == ["services", "services.gateway", "services.gateway.service"]
     assert lines(tmp_path) == []
+
+
+def test_every_engine_layer_may_raise_the_engine_errors(tmp_path):
+    tree(tmp_path, {
+        "services/engine/errors.py": "",
+        "services/engine/core/scheduler.py": "from services.engine.errors import EngineError\n",
+        "services/engine/kernels/rope.py": "from ..errors import EngineError\n",
+        "services/engine/model/loader.py": "from services.engine import errors\n",
+        "services/gateway/upstream.py": "from services.engine.errors import EngineError\n",
+    })
+    assert [line.split(": ", 1)[1] for line in lines(tmp_path)] == [
+        "layer: services never import each other (services.gateway [gateway] -> services.engine.errors [engine])"
+    ]
