@@ -30,8 +30,13 @@ up: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# ruff, mypy (configured in pyproject.toml) and the import-layer check; all three run, and any failure fails lint.
 lint: $(VENV)/.installed-test
-	$(VENV)/bin/ruff check proto services tests
+	@status=0; \
+	$(VENV)/bin/ruff check proto services tests scripts || status=1; \
+	$(VENV)/bin/mypy || status=1; \
+	$(PY) scripts/check_layers.py || status=1; \
+	exit $$status
 
 clean:
 	rm -rf $(VENV) data

@@ -155,9 +155,9 @@ class Scraper:
             return reading, Knowledge("ninfer", models)
         metrics = await self._optional(self._metrics, member)
         kind = n.metrics_kind(metrics) if metrics is not None else None
-        models = await self._models(member)
-        has_models = models is not None
-        models = models or n.ModelsInfo()
+        listed = await self._models(member)
+        has_models = listed is not None
+        models = listed or n.ModelsInfo()
         if isinstance(slots, list) and slots:
             known = Knowledge("llamacpp", models, has_slots=True, has_metrics=kind == "llamacpp")
             return self._checked(member, n.llamacpp_reading, slots, metrics if known.has_metrics else None,
