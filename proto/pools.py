@@ -189,8 +189,8 @@ def _steps(at: str) -> list[str | int]:
     return [int(i) if i else name for name, i in _STEP.findall(at)]
 
 
-def _allowed_keys(kind: type, steps: list[str | int]) -> list[str]:
-    """The keys the object at ``steps`` below a ``kind`` may have (for an unknown key's message)."""
+def _type_at(kind: type, steps: list[str | int]) -> Any:
+    """msgspec's type info for the value at ``steps`` below a ``kind`` (None where no type says)."""
     info: Any = msgspec.inspect.type_info(kind)
     for step in steps:
         if isinstance(info, msgspec.inspect.StructType) and isinstance(step, str):
@@ -198,39 +198,61 @@ def _allowed_keys(kind: type, steps: list[str | int]) -> list[str]:
         elif isinstance(info, msgspec.inspect.VarTupleType) and isinstance(step, int):
             info = info.item_type
         else:
-            return []
-    if not isinstance(info, msgspec.inspect.StructType):
-        return []
-    return sorted(f.encode_name for f in info.fields if (info.cls, f.name) != (PoolConfig, "name"))
+            return None
+    return info
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _reason(info: Any, value: Any, field: str | int | None, default: str) -> str:
+    """What is wrong with ``value``, in the words the Config page shows (``must be in [0.0, 1.0], got 1.5``)."""
+    if isinstance(info, msgspec.inspect.FloatType | msgspec.inspect.IntType):
+        lo, hi = (info.gt if info.gt is not None else info.ge), info.le
+        bounds = f"{'(' if info.gt is not None else '['}{lo}, {hi if hi is not None else '∞'}]"
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"must be a number, got {_shown(value)}"
+        if isinstance(info, msgspec.inspect.IntType) and not isinstance(value, int):
+            return f"must be a whole number in {bounds}, got {_shown(value)}"
+        return f"must be in {bounds}, got {_shown(value)}"
+    if isinstance(info, msgspec.inspect.UnionType) and any(isinstance(t, msgspec.inspect.IntType) for t in info.types):
+        return f"must be a positive integer, got {_shown(value)}"  # max_context, or null
+    if isinstance(info, msgspec.inspect.BoolType):
+        return f"must be true or false, got {_shown(value)}"
+    if isinstance(info, msgspec.inspect.StrType) and isinstance(value, str):
+        if info.pattern is not None and field in _PATTERN_REASONS:
+            return f"{_PATTERN_REASONS[str(field)]}, got {_shown(value)}"
+        if info.min_length and not value:
+            return "must be a non-empty string"
+    if isinstance(value, dict | list):
+        return default
+    return f"{default}: {_shown(value)}"
 
 
 def _config_error(exc: msgspec.ValidationError, data: Any, kind: type, prefix: str) -> ConfigError:
     """msgspec's ``Expected … - at `$.members[1].backend``` as a ConfigError naming ``prefix.members[1].backend``."""
     text = str(exc)
-    readings = [(m[1], m[2].removeprefix("$")) for m in [_AT.fullmatch(text)] if m] + [(text, "")]
-    reason, at = readings[0]
-    for candidate, where in readings:  # an unknown key's own name may hold " - at `$…`": take the reading that is there
-        field = _FIELD.fullmatch(candidate)
-        found, value = _value_at(data, _steps(where))
-        if field and field[1] == "contains unknown" and found and isinstance(value, dict) and field[2] in value:
-            reason, at = candidate, where
-            break
+    at_path = _AT.fullmatch(text)
+    reason, at = (at_path[1], at_path[2].removeprefix("$")) if at_path else (text, "")
+    unknown = _FIELD.fullmatch(text)  # with no path: at the top
+    if unknown and unknown[1] == "contains unknown" and unknown[2] in (data if isinstance(data, dict) else {}):
+        reason, at = text, ""  # the unknown key's own name held " - at `$…`"
     steps = _steps(at)
     field = _FIELD.fullmatch(reason)
     if field:
-        at += "." + field[2]
-        steps.append(field[2])
-        reason = "required"
-        if field[1] == "contains unknown":
-            reason = f"unknown key (allowed: {', '.join(_allowed_keys(kind, steps[:-1]))})"
-    elif reason.startswith("Expected `str` matching regex") and steps and steps[-1] in _PATTERN_REASONS:
-        reason = _PATTERN_REASONS[str(steps[-1])]
+        key = f"{prefix}{at}.{field[2]}"
+        if field[1] == "missing required":
+            return ConfigError(key.removeprefix("."), "required")
+        info = _type_at(kind, steps)
+        allowed = [f.encode_name for f in info.fields if (info.cls, f.name) != (PoolConfig, "name")] \
+            if isinstance(info, msgspec.inspect.StructType) else []
+        return ConfigError(key.removeprefix("."), f"unknown key (allowed: {', '.join(sorted(allowed))})")
     found, value = _value_at(data, steps)
-    if found and not field and not isinstance(value, dict | list):
-        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-        reason += f": {shown}" if ", got `" in reason else f", got {shown}"
-    key = (prefix + at) if prefix else at.removeprefix(".")
-    return ConfigError(key or "config", reason)
+    if found:
+        reason = _reason(_type_at(kind, steps), value, steps[-1] if steps else None, reason)
+    return ConfigError(f"{prefix}{at}".removeprefix(".") or "config", reason)
 
 
 def _convert(data: Any, kind: type[_T], prefix: str) -> _T:
@@ -267,7 +289,7 @@ def _checked_member(m: MemberConfig, path: str) -> MemberConfig:
 def _pool(name: str, raw: Any) -> PoolConfig:
     path = f"model_pools.{name}"
     if isinstance(raw, dict) and "name" in raw:  # the key names the pool
-        raise ConfigError(f"{path}.name", f"unknown key (allowed: {', '.join(_allowed_keys(PoolConfig, []))})")
+        raise ConfigError(f"{path}.name", "unknown key (the pool's key in model_pools is its name)")
     pool = _convert(raw, PoolConfig, path)
     members = tuple(_checked_member(m, f"{path}.members[{i}]") for i, m in enumerate(pool.members))
     ids = [m.member_id for m in members]

@@ -125,7 +125,7 @@ def test_an_unknown_key_lists_the_allowed_ones_and_a_bad_value_is_shown() -> Non
         parse(cfg)
     cfg = json.loads(json.dumps(GOOD))
     cfg["model_pools"]["qwen3.8-27b"]["overflow_threshold"] = 1.5
-    with pytest.raises(ConfigError, match=r"<= 1.0, got 1.5$"):
+    with pytest.raises(ConfigError, match=r"overflow_threshold: must be in \[0.0, 1.0\], got 1.5$"):
         parse(cfg)
 
 
