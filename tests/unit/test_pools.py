@@ -1,9 +1,11 @@
+"""The pools file (proto/pools.py): what parses, its defaults, and every bad value a ConfigError naming its key."""
+
 import json
 from pathlib import Path
 
 import pytest
 
-from proto.pools import GatewayFileConfig, load, member_id_for, parse, to_dict
+from proto.pools import GatewayFileConfig, change_message, load, member_id_for, parse, read_change_message, to_dict
 from services.common.runtime import ConfigError
 
 GOOD = {
@@ -156,3 +158,15 @@ def test_every_default_is_written_once_in_the_structs() -> None:
                                         "max_body_bytes": 4 * 1024 * 1024, "max_concurrent_per_key": 64,
                                         "reserve_output_tokens": 1024}
     assert cfg == GatewayFileConfig() and parse(to_dict(parse(GOOD))) == parse(GOOD)
+
+
+@pytest.mark.parametrize("data", [b"\xff\xfe", b"[1]", b"[" * 100_000, b'{"gateway_id": 1, "config": {}}',
+                                  b'{"gateway_id": "g", "config": {"metrics": {"poll_interval": "fast"}}}'])
+def test_a_hostile_config_changed_message_is_a_config_error(data: bytes) -> None:
+    with pytest.raises(ConfigError):
+        read_change_message(data)
+
+
+def test_a_config_changed_message_round_trips() -> None:
+    change = read_change_message(change_message("gw-1", GOOD))
+    assert (change.gateway_id, change.raw, change.config) == ("gw-1", GOOD, parse(GOOD))
