@@ -10,10 +10,10 @@ import math
 import os
 from pathlib import Path
 
+from proto import pools as pool_config
 from services.accounting.intervals import Limits
 from services.accounting.service import AccountingConfig, AccountingService, DatedRate, price_book_of
 from services.accounting.store import PriceBookEntry
-from services.common import pool_config
 from services.common.bus import bus_session, nats_url_from_env
 from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W
 from services.common.runtime import ConfigError, announce, data_dir, run_async_main, setup_logging

@@ -31,6 +31,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from proto import EnergySample, KeyEnergyQuery, KeyEnergyReply, ProtoDecodeError, UsageRecord, decode, encode, subjects
+from proto import pools as pool_config
 from services.accounting.intervals import Limits
 from services.accounting.puller import BatchPuller
 from services.accounting.store import (
@@ -43,7 +44,6 @@ from services.accounting.store import (
     jsonable,
 )
 from services.accounting.validation import energy_problem, month_bounds, usage_problem
-from services.common import pool_config
 from services.common.http import HTTPError, error_body, error_middleware, read_json_object, serving
 from services.common.runtime import ConfigError, raise_if_cancelling
 

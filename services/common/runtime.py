@@ -16,14 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A bad or missing configuration value; the message names the key."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"config {key}: {reason}")
-        self.key = key
-        self.reason = reason
+from proto.pools import ConfigError  # defined in proto: the pools file, which proto holds, raises it too
 
 
 def data_dir(flag: str | None = None) -> Path:

@@ -7,7 +7,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from services.common import pool_config
+from proto import pools as pool_config
 from services.common.bus import bus_session, nats_url_from_env
 from services.common.runtime import (
     ConfigError,

@@ -3,7 +3,7 @@
 Field names: ``pool.I.FIELD``, ``pool.I.member.J.FIELD`` (``J`` = ``new`` for the empty row),
 ``newpool.FIELD``, ``price.K.FIELD``, ``electricity_rate_usd_per_kwh``. :func:`from_form` builds the file
 form of the config and, for every config key path it produced, the form field it came from, so a
-``ConfigError`` from ``pool_config.parse`` (which names a key path) lands next to the right input.
+``ConfigError`` from ``proto.pools.parse`` (which names a key path) lands next to the right input.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def _member(form: dict[str, str], prefix: str, path: str, result: FormResult) ->
         return None
     member: dict[str, Any] = {"model_id": model_id, "backend": backend}
     weight = _number(form, f"{prefix}.capacity_weight", result)
-    member["capacity_weight"] = 1.0 if weight is None else weight
+    if weight is not None:  # blank: the pools file's default (proto/pools.py)
+        member["capacity_weight"] = weight
     max_context = _number(form, f"{prefix}.max_context", result, integer=True)
     if max_context is not None:
         member["max_context"] = max_context
@@ -138,7 +139,8 @@ def from_form(form: dict[str, str], current: dict[str, Any]) -> FormResult:
             entry = {}
             for key in _PRICE_FIELDS:
                 value = _number(form, f"price.{k}.{key}", result)
-                entry[key] = 0.0 if value is None else value
+                if value is not None:  # blank: the pools file's default
+                    entry[key] = value
                 result.fields[f"price_book.{model}.{key}"] = f"price.{k}.{key}"
             prices[model] = entry
         k += 1

@@ -23,8 +23,8 @@ import msgspec
 from aiohttp import web
 
 from proto import Usage
+from proto.pools import MemberConfig
 from services.common.http import HTTPError, error_body
-from services.common.pool_config import MemberConfig
 from services.common.runtime import raise_if_cancelling
 from services.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse, UpstreamTimeout
 from services.gateway.usage_meter import UsageMeter

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.pool_config import GatewayFileConfig, MemberConfig, PoolConfig
+from proto.pools import GatewayFileConfig, MemberConfig, PoolConfig
 from services.gateway.fleet import Fleet
 
 

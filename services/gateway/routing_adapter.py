@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from proto import SlotHeartbeat
+from proto.pools import MetricsConfig, PoolConfig
 from services.common import openai_api
 from services.common.load_score import stale_limit_s
-from services.common.pool_config import MetricsConfig, PoolConfig
 from services.common.runtime import atomic_write_text
 from services.gateway import routing
 from services.gateway.affinity import AffinityTable, PinTable, prefix_hashes

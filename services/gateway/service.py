@@ -39,7 +39,8 @@ from proto import (
     encode,
     subjects,
 )
-from services.common import openai_api, openai_stream, pool_config
+from proto import pools as pool_config
+from services.common import openai_api, openai_stream
 from services.common.http import HTTPError, body_deadline_middleware, error_middleware, read_json_object, serving
 from services.common.prom import E2E_BUCKETS_S, Histogram, PromText
 from services.common.runtime import (

@@ -7,8 +7,8 @@ import asyncio
 import os
 from pathlib import Path
 
+from proto import pools as pool_config
 from proto import subjects
-from services.common import pool_config
 from services.common.bus import bus_session, nats_url_from_env
 from services.common.http import serving
 from services.common.runtime import ConfigError, announce, data_dir, run_async_main, setup_logging

@@ -12,7 +12,7 @@ from __future__ import annotations
 import zlib
 
 MIN_INTERVAL_S = 0.1  # issue 6: the heartbeat rate is "tunable down to 100 ms"
-DEFAULT_INTERVAL_S = 1.0  # as the pools file's metrics.poll_interval defaults (services/common/pool_config.py)
+DEFAULT_INTERVAL_S = 1.0  # as the pools file's metrics.poll_interval defaults (proto/pools.py)
 
 
 def phase_s(member_id: str, interval_s: float) -> float:

@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from proto import SlotHeartbeat, encode, subjects
-from services.common import pool_config
+from proto import pools as pool_config
 from services.common.http import error_middleware
 from services.common.runtime import ConfigError, new_session_id, raise_if_cancelling
 from services.telemetry import discovery, schedule, views

@@ -28,8 +28,8 @@ import openai
 import pytest
 
 from proto import EnergyReading, EnergySample, encode, subjects
+from proto import pools as pool_config
 from services.accounting.service import AccountingConfig, AccountingService
-from services.common import pool_config
 from services.common.bus import connect, ensure_bus
 from services.common.http import serving
 from services.common.load_score import stale_limit_s

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from nats.aio.msg import Msg
 
-from services.common import pool_config
+from proto import pools as pool_config
 from services.common.bus import connect
 from services.common.nats_server import EmbeddedNatsServer, find_binary
 from services.engine.__main__ import add_arguments as engine_arguments

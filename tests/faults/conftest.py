@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from proto import UsageRecord, decode, subjects
-from services.common import pool_config
+from proto import pools as pool_config
 from services.common.bus import connect, ensure_bus
 from services.common.runtime import raise_if_cancelling
 from services.gateway.service import GatewayConfig, GatewayService

@@ -20,8 +20,8 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from proto import UsageRecord, encode, subjects
+from proto import pools as pool_config
 from services.accounting.service import USAGE_DURABLE
-from services.common import pool_config
 from services.common.bus import connect, ensure_bus
 from tests.faults.conftest import accounting_proc, procs, sql
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from proto import SlotHeartbeat, encode, subjects
-from services.common import pool_config
+from proto import pools as pool_config
 from services.common.http import serving
 from services.gateway.identity import hash_password, key_digest
 from services.gateway.service import GatewayConfig, GatewayService

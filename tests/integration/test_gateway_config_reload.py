@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from services.common import pool_config
+from proto import pools as pool_config
 from services.gateway import pools
 from services.gateway.service import GatewayConfig, GatewayService
 from tests.integration.conftest import wait_for

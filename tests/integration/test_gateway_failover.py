@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from proto import UsageRecord, decode, subjects
-from services.common import pool_config
+from proto import pools as pool_config
 from services.common.bus import connect, ensure_bus
 from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer

@@ -25,8 +25,8 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client.parser import text_string_to_metric_families
 
+from proto import pools as pool_config
 from proto import subjects
-from services.common import pool_config
 from services.common.bus import connect, ensure_bus
 from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer

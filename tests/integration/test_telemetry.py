@@ -25,7 +25,7 @@ from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto import EnergySample, SlotHeartbeat, decode, subjects
-from services.common import pool_config
+from proto import pools as pool_config
 from services.common.http import serving
 from services.common.runtime import ConfigError
 from services.gateway.service import GatewayConfig, GatewayService

@@ -325,7 +325,7 @@ async def test_streams_dropped_at_random_points_book_what_was_generated_and_move
 async def test_a_vllm_member_is_asked_for_its_running_usage_so_a_cut_stream_bills_its_own_prompt_count(
         nats_server, long_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from proto import SlotHeartbeat, encode, subjects
-    from services.common.pool_config import member_id_for
+    from proto.pools import member_id_for
 
     async with fleet(nats_server, long_model, tmp_path) as f:
         member_id = member_id_for(f.member.url)

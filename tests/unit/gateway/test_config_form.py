@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.common import pool_config
+from proto import pools as pool_config
 from services.common.runtime import ConfigError
 from services.gateway import config_form
 

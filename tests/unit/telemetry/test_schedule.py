@@ -37,7 +37,7 @@ def test_a_changed_interval_continues_the_grid_from_the_same_last_tick() -> None
 
 
 def test_the_floor_and_the_default_are_those_of_the_issue_and_the_pools_file() -> None:
-    from services.common.pool_config import MetricsConfig
+    from proto.pools import MetricsConfig
 
     assert schedule.MIN_INTERVAL_S == 0.1
     assert schedule.DEFAULT_INTERVAL_S == MetricsConfig().poll_interval
