@@ -40,7 +40,7 @@ async def test_aiohttp_sse_streams_and_json_answers_share_one_kept_alive_connect
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # aiohttp keeps the server private
+    port = runner.addresses[0][1]
     try:
         async with UpstreamClient() as client:
             for _round in range(3):
