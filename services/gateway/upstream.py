@@ -5,8 +5,9 @@ objects with cookie jars, trace hooks, per-request timers, a stream reader per b
 one thing from an upstream: POST a JSON body and pass the answer on as it arrives. This module does
 that on an :class:`asyncio.Protocol` per connection:
 
-- requests go out as one ``write`` (head and body); responses are framed by ``Content-Length``,
-  ``Transfer-Encoding: chunked`` or the end of the connection, and handed on chunk by chunk;
+- requests go out as one ``write`` (head and body); responses are framed by llhttp (``httptools``, the
+  parser uvicorn uses) by ``Content-Length``, ``Transfer-Encoding: chunked`` or the end of the connection,
+  and handed on chunk by chunk; a connection is reused only after its last answer was complete;
 - connections are kept per origin (scheme, host, port) and reused most-recent first; one the server
   closed while idle is noticed when it closes, or (if the close raced our request) the request is sent
   once more on a new connection, but only when not one byte of a response came back;
@@ -34,13 +35,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from urllib.parse import unquote, urlsplit
 
+import httptools
+
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HELD_BODY_BYTES = 1 << 20
 IDLE_TIMEOUT_S = 60.0
 DEADLINE_TICK_S = 0.05  # how often the deadlines of requests in progress are checked (their precision)
 MAX_IDLE_PER_ORIGIN = 256
 
-_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
+_HEAD, _BODY, _UNTIL_CLOSE, _DONE = range(4)  # a connection's request: awaiting the head, the body, done
 
 
 class UpstreamError(Exception):
@@ -92,18 +95,31 @@ def origin_of(base_url: str) -> Origin:
     return Origin(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), head.encode("latin-1"))
 
 
+class _StrayBytes(Exception):
+    """Raised from a parser callback to stop at bytes that came after the answer was complete."""
+
+
 class _Connection(asyncio.Protocol):
-    """One HTTP/1.1 connection: one request at a time, its response parsed as the bytes arrive."""
+    """One HTTP/1.1 connection: one request at a time, its response framed by llhttp as the bytes arrive.
+
+    The parser (:class:`httptools.HttpResponseParser`, one per connection) calls back ``on_message_begin``,
+    ``on_header``, ``on_headers_complete``, ``on_body`` and ``on_message_complete``; it frames by
+    ``Content-Length``, chunks (extensions skipped, trailers reported through ``on_header`` after the body
+    and ignored here) or the close, and gives 1xx, 204 and 304 answers no body. The status number comes
+    from ``get_status_code()``: the reason phrase is not used, so there is no ``on_status`` callback.
+    """
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.is_closed = False
         self.idle_since = 0.0
-        self._buf = bytearray()
+        self._parser = httptools.HttpResponseParser(self)
         self._state = _DONE
-        self._remaining = 0
+        self._head_bytes = 0  # bytes taken while no final status line and headers were complete
+        self._first_bytes = b""  # the start of the answer, for the error when it is not HTTP
         self._received_any = False
         self._head: asyncio.Future[tuple[int, dict[str, str]]] | None = None
+        self._headers: dict[str, str] = {}
         self._body: deque[bytes] = deque()
         self._held = 0
         self._body_done = False
@@ -123,12 +139,28 @@ class _Connection(asyncio.Protocol):
             self.keep_alive = False
             self.close()
             return
-        self._received_any = True
-        self._buf += data
+        if not self._received_any:
+            self._received_any, self._first_bytes = True, data[:80]
+        if self._state == _HEAD:
+            self._head_bytes += len(data)
         try:
-            self._parse()
-        except UpstreamError as exc:
-            self._fail(exc)
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _StrayBytes):
+                return  # the answer is complete; on_message_begin marked the connection not reusable
+            self._fail(cause if isinstance(cause, UpstreamError) else UpstreamError(f"parsing the answer: {cause!r}"))
+            self.close()
+            return
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self._state == _DONE:  # e.g. bytes after a complete "Connection: close" answer
+                self.keep_alive = False
+                return
+            self._fail(self._parse_error(str(exc)))
+            self.close()
+            return
+        if self._state == _HEAD and self._head_bytes > MAX_HEAD_BYTES:
+            self._fail(UpstreamError(f"response headers longer than {MAX_HEAD_BYTES} bytes"))
             self.close()
 
     def eof_received(self) -> bool:
@@ -143,13 +175,51 @@ class _Connection(asyncio.Protocol):
                                      f"{f' ({exc})' if exc else ''}", nothing_received=not self._received_any))
         self._wake()
 
+    # ---- httptools.HttpResponseParser callbacks -----------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._state == _DONE:  # the member sent more than it announced: never reuse this connection
+            self.keep_alive = False
+            raise _StrayBytes
+        self._headers = {}
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._state == _HEAD:  # after the head, these are a chunked body's trailers: not passed on
+            self._headers[name.decode("latin-1").lower()] = value.decode("latin-1").strip()
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        if not parser.get_http_version().startswith("1."):
+            raise UpstreamError(f"not an HTTP/1.x response: {self._first_line!r}")
+        status = parser.get_status_code()
+        if status == 101:
+            raise UpstreamError("the member switched protocols (101) though no upgrade was asked for")
+        if status < 200:
+            return  # an interim response (100 Continue, 103 Early Hints): the real one follows
+        headers = self._headers
+        self.keep_alive = parser.should_keep_alive()
+        is_close_delimited = ("content-length" not in headers and status not in (204, 304)
+                              and "chunked" not in headers.get("transfer-encoding", "").lower())
+        self._state = _UNTIL_CLOSE if is_close_delimited else _BODY
+        if self._head is not None and not self._head.done():
+            self._head.set_result((status, headers))
+
+    def on_body(self, body: bytes) -> None:
+        self._push(body)
+
+    def on_message_complete(self) -> None:
+        if self._state == _HEAD:
+            return  # an interim response ended; the parser waits for the next status line
+        self._finish_body()
+
     # ---- requests -----------------------------------------------------------------------------------
 
     def send(self, data: bytes, first_byte_at: float, total_at: float) -> asyncio.Future[tuple[int, dict[str, str]]]:
         """Send one request; the status line is due by ``first_byte_at``, the whole answer by ``total_at``
-        (loop times; :meth:`check_deadline` enforces them)."""
+        (loop times; :meth:`check_deadline` enforces them). Only on a connection whose last answer was
+        complete (:attr:`is_reusable`): the parser then stands at the start of the next message."""
         assert self.transport is not None and self._state == _DONE
-        self._state, self._received_any, self._error = _HEAD, False, None
+        self._state, self._received_any, self._error, self._head_bytes = _HEAD, False, None, 0
         self._body.clear()
         self._held, self._body_done, self.keep_alive = 0, False, False
         self._head = asyncio.get_running_loop().create_future()
@@ -189,7 +259,7 @@ class _Connection(asyncio.Protocol):
 
     @property
     def is_reusable(self) -> bool:
-        return self.keep_alive and self._state == _DONE and not self.is_closed and not self._buf
+        return self.keep_alive and self._state == _DONE and not self.is_closed
 
     def close(self) -> None:
         if self.transport is not None and not self.is_closed:
@@ -198,102 +268,21 @@ class _Connection(asyncio.Protocol):
 
     # ---- parsing ------------------------------------------------------------------------------------
 
-    def _parse(self) -> None:
-        buf = self._buf
-        while buf:
-            state = self._state
-            if state == _HEAD:
-                end = buf.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        raise UpstreamError(f"response headers longer than {MAX_HEAD_BYTES} bytes")
-                    return
-                head = bytes(buf[:end])
-                del buf[:end + 4]
-                self._start(head)
-            elif state in (_LENGTH, _CHUNK_DATA):
-                take = min(self._remaining, len(buf))
-                self._push(bytes(buf[:take]))
-                del buf[:take]
-                self._remaining -= take
-                if self._remaining == 0:
-                    if state == _LENGTH:
-                        self._finish_body()
-                    else:
-                        self._state = _CHUNK_END
-            elif state == _CHUNK_SIZE:
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    if len(buf) > 1024:
-                        raise UpstreamError("a chunk-size line longer than 1 KiB")
-                    return
-                try:
-                    size = int(bytes(buf[:end]).split(b";", 1)[0].strip(), 16)
-                except ValueError:
-                    raise UpstreamError(f"bad chunk size {bytes(buf[:min(end, 40)])!r}") from None
-                del buf[:end + 2]
-                if size < 0:
-                    raise UpstreamError("negative chunk size")
-                self._state, self._remaining = (_TRAILERS, 0) if size == 0 else (_CHUNK_DATA, size)
-            elif state == _CHUNK_END:
-                if len(buf) < 2:
-                    return
-                if buf[:2] != b"\r\n":
-                    raise UpstreamError("a chunk not followed by CRLF")
-                del buf[:2]
-                self._state = _CHUNK_SIZE
-            elif state == _TRAILERS:
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        raise UpstreamError("trailers too long")
-                    return
-                del buf[:end + 2]
-                if end == 0:
-                    self._finish_body()
-            elif state == _UNTIL_CLOSE:
-                self._push(bytes(buf))
-                buf.clear()
-            else:  # _DONE with bytes left over: the member sent more than it announced
-                self.keep_alive = False
-                buf.clear()
+    @property
+    def _first_line(self) -> bytes:
+        return self._first_bytes.split(b"\r\n", 1)[0]
 
-    def _start(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        status_line = lines[0].split(None, 2)
-        if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1.") or not status_line[1].isdigit():
-            raise UpstreamError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
-        status = int(status_line[1])
-        if 100 <= status < 200:
-            return  # an interim response (100 Continue, 103 Early Hints): the real one follows
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep:
-                raise UpstreamError(f"malformed header line {line[:80]!r}")
-            headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-        connection = headers.get("connection", "").lower()
-        is_http11 = status_line[0] == b"HTTP/1.1"
-        self.keep_alive = "close" not in connection if is_http11 else "keep-alive" in connection
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            self._state = _CHUNK_SIZE
-        elif "content-length" in headers:
-            try:
-                self._remaining = int(headers["content-length"])
-            except ValueError:
-                raise UpstreamError(f"bad Content-Length {headers['content-length']!r}") from None
-            if self._remaining < 0:
-                raise UpstreamError("negative Content-Length")
-            self._state = _LENGTH
-        elif status in (204, 304):
-            self._remaining = 0
-            self._state = _LENGTH
-        else:
-            self._state, self.keep_alive = _UNTIL_CLOSE, False
-        if self._head is not None and not self._head.done():
-            self._head.set_result((status, headers))
-        if self._state == _LENGTH and self._remaining == 0:
-            self._finish_body()
+    def _parse_error(self, reason: str) -> UpstreamError:
+        """llhttp's reason for refusing the bytes → the error naming what was wrong."""
+        if "Content-Length" in reason:
+            return UpstreamError(f"bad Content-Length ({reason})")
+        if "chunk" in reason.lower():
+            return UpstreamError(f"bad chunk size or framing ({reason})")
+        if "header" in reason.lower():
+            return UpstreamError(f"malformed header line ({reason})")
+        if self._state == _HEAD:
+            return UpstreamError(f"not an HTTP/1.x response: {self._first_line!r} ({reason})")
+        return UpstreamError(f"malformed response ({reason})")
 
     def _push(self, data: bytes) -> None:
         if not data:
