@@ -2,9 +2,9 @@
 
 These payloads are JSON (not msgpack) because people read them: ``nats req llm.v1.accounting.sql``, the
 ``llmgw sql`` client, the stored ``llm_identity`` bucket rows. Encode with :func:`proto.codec.encode_json`,
-decode with :func:`proto.codec.decode_json`. Replies that are :class:`~proto.base.Message`s leave their
+decode with :func:`proto.codec.decode_json`. Replies that are messages (``_Msg``) leave their
 unset fields off the wire (``{"ok": false}``); the costs report and identity rows are
-:class:`~proto.base.Document`s and write every field, nulls included.
+documents (``_Doc``) and write every field, nulls included.
 """
 
 from __future__ import annotations
@@ -13,18 +13,26 @@ from typing import Any
 
 import msgspec
 
-from proto.base import Document, Message
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Base: frozen, keyword-only, defaults left off the wire, unknown fields ignored on decode."""
+
+
+class _Doc(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of the documents people and pages read (the costs report, identity rows): every field is written,
+    a null included, so a reader sees "unknown" rather than a missing key; unknown fields ignored on decode."""
+
 
 # ---- llm.v1.auth.check: any service → the gateways ------------------------------------------------------
 
 
-class AuthCheck(Message):
+class AuthCheck(_Msg):
     """Is the API key with this SHA-256 (hex) valid, and whose? Only the digest crosses the bus."""
 
     key_sha256: str
 
 
-class AuthReply(Message):
+class AuthReply(_Msg):
     """``ok`` False: unknown, expired or revoked (the other fields unset). ``role`` is "admin" or "user"."""
 
     ok: bool
@@ -36,7 +44,7 @@ class AuthReply(Message):
 # ---- llm.v1.config.changed: a gateway → the gateways, telemetry, accounting -----------------------------
 
 
-class ConfigChanged(Message):
+class ConfigChanged(_Msg):
     """A gateway saved its pools file: ``config`` is the file form, as saved (each reader validates it)."""
 
     gateway_id: str
@@ -46,14 +54,14 @@ class ConfigChanged(Message):
 # ---- llm.v1.accounting.sql: llmgw sql, tests → accounting --------------------------------------------
 
 
-class SqlQuery(Message):
+class SqlQuery(_Msg):
     """One read-only operator query, or (``export_parquet``) a Parquet export of the ledger."""
 
     sql: str | None = None
     export_parquet: bool = False
 
 
-class SqlReply(Message):
+class SqlReply(_Msg):
     """Exactly one of: ``columns`` and ``rows`` (JSON values, as ``store.jsonable`` writes them), ``files``
     (the Parquet export), ``error`` (why the query was refused or failed)."""
 
@@ -66,13 +74,13 @@ class SqlReply(Message):
 # ---- llm.v1.accounting.costs: the gateway's admin pages → accounting ----------------------------------
 
 
-class CostsQuery(Message):
+class CostsQuery(_Msg):
     """The window: ``days`` UTC days ending today (1..366, checked by accounting)."""
 
     days: int = 30
 
 
-class ErrorDetail(Message):
+class ErrorDetail(_Doc):
     """The OpenAI error fields (services/common/http.py error_body)."""
 
     message: str
@@ -81,13 +89,13 @@ class ErrorDetail(Message):
     code: str | None = None
 
 
-class ErrorReply(Document):
+class ErrorReply(_Doc):
     """A request/reply subject's refusal, shaped as the OpenAI error body ``{"error": {...}}``."""
 
     error: ErrorDetail
 
 
-class CostFigures(Document):
+class CostFigures(_Doc):
     """One group's figures (docs/accounting.md, "Costs API"). None is unknown, never 0: ``kwh`` is measured
     energy only, ``estimated_kwh`` is never added into it; ``coverage_pct`` None when nothing could be covered."""
 
@@ -125,7 +133,7 @@ class KeyCosts(CostFigures, kw_only=True):
     api_key_id: str | None  # None: requests without a key (trusted network)
 
 
-class CostsReport(Document):
+class CostsReport(_Doc):
     """The costs document (services/accounting/costs.py builds it; services/gateway/charts.py reads it).
 
     Groups are ordered largest energy cost first, then most output tokens.
@@ -147,7 +155,7 @@ class CostsReport(Document):
 # Field names are the SQLite columns (services/gateway/identity.py REPLICATED), primary key first.
 
 
-class UserRow(Document):
+class UserRow(_Doc):
     user_id: str
     name: str
     role: str  # "admin" | "user" (checked by IdentityStore.apply_replica)
@@ -156,7 +164,7 @@ class UserRow(Document):
     updated_s: float
 
 
-class ApiKeyRow(Document):
+class ApiKeyRow(_Doc):
     key_id: str
     user_id: str
     name: str
@@ -170,7 +178,7 @@ class ApiKeyRow(Document):
     updated_s: float
 
 
-class LimitsRow(Document):
+class LimitsRow(_Doc):
     principal: str
     tokens_per_day: int | None
     requests_per_minute: int | None

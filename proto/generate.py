@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from proto.base import Message as _Msg
+import msgspec
 
 PROTOCOL_VERSION = 1
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Base: frozen, keyword-only, defaults left off the wire, unknown fields ignored on decode."""
 
 
 class ChatMessage(_Msg):

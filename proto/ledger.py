@@ -4,17 +4,22 @@ from __future__ import annotations
 
 from typing import Literal
 
-from proto.base import Message
+import msgspec
+
 from proto.fleet import EnergyReading
 
 
-class RequestTokens(Message):
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Base: frozen, keyword-only, defaults left off the wire, unknown fields ignored on decode."""
+
+
+class RequestTokens(_Msg):
     request_id: str
     prompt_tokens: int = 0
     output_tokens: int = 0
 
 
-class EnergySample(Message):
+class EnergySample(_Msg):
     """engine/telemetry → accounting on ``llm.v1.energy.<worker_id>`` (stream ``ENERGY``)."""
 
     worker_id: str
@@ -26,7 +31,7 @@ class EnergySample(Message):
     request_tokens: list[RequestTokens] = []
 
 
-class UsageRecord(Message):
+class UsageRecord(_Msg):
     """gateway → accounting on ``llm.v1.usage.<gateway_id>`` (stream ``USAGE``), one per request."""
 
     gateway_id: str
@@ -63,7 +68,7 @@ class UsageRecord(Message):
     user_id: str | None = None
 
 
-class LimitCounters(Message):
+class LimitCounters(_Msg):
     """gateway → gateways on ``llm.v1.quota.<gateway_id>``: what this gateway has counted against each
     limit in the current windows (settled usage plus open reservations), so a limit holds across replicas.
 
@@ -78,13 +83,13 @@ class LimitCounters(Message):
     counters: dict[str, float] = {}
 
 
-class KeyEnergyQuery(Message):
+class KeyEnergyQuery(_Msg):
     """gateway → accounting (request/reply on ``llm.v1.accounting.key_energy``): month-to-date energy."""
 
     month: str  # "YYYY-MM", UTC
 
 
-class KeyEnergyReply(Message):
+class KeyEnergyReply(_Msg):
     """The joules attributed to each API key's requests in ``month`` (measured intervals only; idle energy
     belongs to no key). ``as_of_s``: the newest interval end the figure covers."""
 

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from proto.admin import ConfigChanged
+from proto.codec import ProtoDecodeError, decode_json, encode_json
 from services.common.runtime import ConfigError
 
 _ID_SAFE = re.compile(r"[^A-Za-z0-9_-]+")
@@ -314,16 +316,15 @@ class ConfigChange:
 
 
 def change_message(gateway_id: str, raw: dict[str, Any]) -> bytes:
-    return json.dumps({"gateway_id": gateway_id, "config": raw}).encode()
+    return encode_json(ConfigChanged(gateway_id=gateway_id, config=raw))
 
 
 def read_change_message(data: bytes) -> ConfigChange:
     """Decode and validate a config-changed message; anything wrong is a ConfigError naming why."""
     try:
-        message = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise ConfigError("config-changed", f"not JSON: {exc}") from None
-    if not isinstance(message, dict) or not isinstance(message.get("gateway_id"), str) \
-            or not isinstance(message.get("config"), dict):
-        raise ConfigError("config-changed", 'expected {"gateway_id": str, "config": {...}}')
-    return ConfigChange(message["gateway_id"], message["config"], parse(message["config"]))
+        message = decode_json(data, ConfigChanged)
+    except ProtoDecodeError as exc:
+        if exc.is_malformed:
+            raise ConfigError("config-changed", f"not JSON: {exc.reason}") from None
+        raise ConfigError("config-changed", 'expected {"gateway_id": str, "config": {...}}') from None
+    return ConfigChange(message.gateway_id, message.config, parse(message.config))
