@@ -359,11 +359,11 @@ class AccountingService:
             ledger.refresh_rollups(now_s, retention)
             return ledger.costs(now_s, num_days)  # type: ignore[no-any-return]
 
-        return await self._write(work)  # type: ignore[no-any-return]
+        return await self._write(work)  # type: ignore[no-any-return]  # _write returns the callable's value
 
     async def costs(self, num_days: int = 30) -> dict[str, Any]:
         """:meth:`costs_report` as its JSON form (plain dicts and lists)."""
-        return msgspec.to_builtins(await self.costs_report(num_days))  # type: ignore[no-any-return]
+        return msgspec.to_builtins(await self.costs_report(num_days))  # type: ignore[no-any-return]  # a Struct: a dict
 
     async def key_energy(self, month: str) -> KeyEnergyReply:
         """Month-to-date measured joules per API key (``Ledger.key_energy``), fresh as the last committed

@@ -2,7 +2,8 @@
 
 Each gateway keeps its own SQLite copy (:mod:`services.gateway.identity`) and answers from it, so a
 request never waits on the bus. Changes travel through the JetStream bucket ``llm_identity`` (one entry
-per row, ``users.<user_id>`` / ``api_keys.<key_id>``, the newest version kept):
+per row, ``users.<user_id>`` / ``api_keys.<key_id>`` / ``limits.<principal>``, a JSON
+:class:`proto.UserRow` / :class:`proto.ApiKeyRow` / :class:`proto.LimitsRow`, the newest version kept):
 
 - a change made here is put into the bucket, retried until the bus takes it;
 - a gateway starting up applies the whole bucket before it decides whether it is the first one (only
