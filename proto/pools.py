@@ -50,6 +50,9 @@ import msgspec
 import msgspec.inspect
 from msgspec import Meta
 
+from proto.admin import ConfigChanged
+from proto.codec import ProtoDecodeError, decode_json, encode_json
+
 _T = TypeVar("_T")
 _ID_SAFE = re.compile(r"[^A-Za-z0-9_-]+")
 _ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}\Z"  # \Z, not $: "$" also matches before a trailing newline
@@ -367,16 +370,15 @@ class ConfigChange(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def change_message(gateway_id: str, raw: dict[str, Any]) -> bytes:
-    return json.dumps({"gateway_id": gateway_id, "config": raw}).encode()
+    return encode_json(ConfigChanged(gateway_id=gateway_id, config=raw))
 
 
 def read_change_message(data: bytes) -> ConfigChange:
     """Decode and validate a config-changed message; anything wrong is a ConfigError naming why."""
     try:
-        message = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise ConfigError("config-changed", f"not JSON: {exc}") from None
-    if not isinstance(message, dict) or not isinstance(message.get("gateway_id"), str) \
-            or not isinstance(message.get("config"), dict):
-        raise ConfigError("config-changed", 'expected {"gateway_id": str, "config": {...}}')
-    return ConfigChange(gateway_id=message["gateway_id"], raw=message["config"], config=parse(message["config"]))
+        message = decode_json(data, ConfigChanged)
+    except ProtoDecodeError as exc:
+        if exc.is_malformed:
+            raise ConfigError("config-changed", f"not JSON: {exc.reason}") from None
+        raise ConfigError("config-changed", 'expected {"gateway_id": str, "config": {...}}') from None
+    return ConfigChange(gateway_id=message.gateway_id, raw=message.config, config=parse(message.config))

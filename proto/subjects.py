@@ -6,21 +6,24 @@ import re
 
 PREFIX = "llm.v1"
 
-STREAM_USAGE = "USAGE"
-STREAM_ENERGY = "ENERGY"
-KV_WORKERS = "llm_workers"
-KV_IDENTITY = "llm_identity"  # users and API keys shared by the gateways (services/gateway/identity_sync.py)
+# Each name says the Struct it carries (msgpack unless "JSON": proto/admin.py's link).
+STREAM_USAGE = "USAGE"  # USAGE_SUBJECTS
+STREAM_ENERGY = "ENERGY"  # ENERGY_SUBJECTS
+KV_WORKERS = "llm_workers"  # SlotHeartbeat per worker id: the last one, for a gateway starting up
+# JSON UserRow / ApiKeyRow / LimitsRow per "users.<id>" / "api_keys.<id>" / "limits.<principal>", shared by
+# the gateways (services/gateway/identity_sync.py)
+KV_IDENTITY = "llm_identity"
 
-USAGE_SUBJECTS = f"{PREFIX}.usage.>"
-ENERGY_SUBJECTS = f"{PREFIX}.energy.>"
-HEARTBEAT_ALL = f"{PREFIX}.hb.*"
-ACCOUNTING_SQL = f"{PREFIX}.accounting.sql"
+USAGE_SUBJECTS = f"{PREFIX}.usage.>"  # UsageRecord, see usage()
+ENERGY_SUBJECTS = f"{PREFIX}.energy.>"  # EnergySample, see energy()
+HEARTBEAT_ALL = f"{PREFIX}.hb.*"  # SlotHeartbeat, see heartbeat()
+ACCOUNTING_SQL = f"{PREFIX}.accounting.sql"  # request/reply, JSON: SqlQuery -> SqlReply
 ACCOUNTING_KEY_ENERGY = f"{PREFIX}.accounting.key_energy"  # KeyEnergyQuery -> KeyEnergyReply (kWh limits)
-ACCOUNTING_COSTS = f"{PREFIX}.accounting.costs"  # request/reply: the costs JSON for the admin pages
-# request/reply to the gateways: {"key_sha256": hex} -> {"ok": bool, "role": "admin"|"user", "key_id", "user"}
-AUTH_CHECK = f"{PREFIX}.auth.check"
-QUOTA_ALL = f"{PREFIX}.quota.*"  # each gateway's LimitCounters (services/gateway/limits.py)
-CONFIG_CHANGED = f"{PREFIX}.config.changed"  # a gateway saved the pools file; replicas reload it
+# request/reply, JSON: CostsQuery -> CostsReport (or ErrorReply), for the admin pages
+ACCOUNTING_COSTS = f"{PREFIX}.accounting.costs"
+AUTH_CHECK = f"{PREFIX}.auth.check"  # request/reply to the gateways, JSON: AuthCheck -> AuthReply
+QUOTA_ALL = f"{PREFIX}.quota.*"  # each gateway's LimitCounters (services/gateway/limits.py), see quota()
+CONFIG_CHANGED = f"{PREFIX}.config.changed"  # JSON ConfigChanged: a gateway saved the pools file; replicas reload it
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -33,24 +36,30 @@ def check_id(value: str) -> str:
 
 
 def gen(worker_id: str) -> str:
+    """GenerateRequest; the TokenChunks stream back to the message's reply inbox."""
     return f"{PREFIX}.gen.{worker_id}"
 
 
 def cancel(worker_id: str) -> str:
+    """Cancel."""
     return f"{PREFIX}.cancel.{worker_id}"
 
 
 def heartbeat(worker_id: str) -> str:
+    """SlotHeartbeat."""
     return f"{PREFIX}.hb.{worker_id}"
 
 
 def energy(worker_id: str) -> str:
+    """EnergySample (stream ENERGY)."""
     return f"{PREFIX}.energy.{worker_id}"
 
 
 def usage(gateway_id: str) -> str:
+    """UsageRecord (stream USAGE)."""
     return f"{PREFIX}.usage.{gateway_id}"
 
 
 def quota(gateway_id: str) -> str:
+    """LimitCounters."""
     return f"{PREFIX}.quota.{gateway_id}"

@@ -1,7 +1,7 @@
 """The costs document for the admin pages (``GET /costs``, ``llm.v1.accounting.costs``): pure shaping.
 
 The ledger hands over per-group totals read from the rollups; this module merges usage and energy per
-group and writes the JSON shape documented in docs/accounting.md ("Costs API"). Unknown stays unknown:
+group and builds the :class:`proto.CostsReport` documented in docs/accounting.md ("Costs API"). Unknown stays unknown:
 a group with no valid energy reading has ``kwh`` None (not 0), and its coverage says why.
 """
 
@@ -10,7 +10,9 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from proto import CostFigures, CostsReport, DayCosts, KeyCosts, MemberCosts, ModelCosts, WindowCosts
 
 J_PER_KWH = 3.6e6
 
@@ -54,36 +56,44 @@ class EnergyTotals:
         return None
 
 
-def summary(usage: UsageTotals | None, energy: EnergyTotals | None) -> dict[str, Any]:
-    """One group's figures. Both None (no data at all) → every figure None."""
+F = TypeVar("F", bound=CostFigures)
+
+
+def _float(value: Any) -> float | None:
+    """A DuckDB sum as a float (a DECIMAL sum is a Decimal, which JSON would write as a string)."""
+    return None if value is None else float(value)
+
+
+def summary(usage: UsageTotals | None, energy: EnergyTotals | None, cls: type[F], **group: Any) -> F:
+    """One group's figures as ``cls`` (``group``: its name field). Both None (no data at all) → every figure None."""
     if usage is None and energy is None:
-        return {k: None for k in ("requests", "prompt_tokens", "cached_tokens", "output_tokens", "kwh",
-                                  "energy_usd", "estimated_kwh", "list_value_usd", "j_per_output_token",
-                                  "coverage_pct")} | {"methods": []}
+        return cls(**group)
     u = usage or UsageTotals()
     e = energy or EnergyTotals()
-    return {
-        "requests": u.num_requests,
-        "prompt_tokens": u.prompt_tokens,
-        "cached_tokens": u.cached_tokens,
-        "output_tokens": u.output_tokens,
-        "kwh": None if e.measured_j is None else e.measured_j / J_PER_KWH,
-        "energy_usd": e.energy_usd,
-        "estimated_kwh": None if e.estimated_j is None else e.estimated_j / J_PER_KWH,
-        "list_value_usd": u.list_value_usd,
-        "j_per_output_token": (e.jpt_busy_j / e.busy_output_tokens
-                               if e.jpt_busy_j is not None and e.busy_output_tokens > 0 else None),
-        "methods": sorted(e.methods),
-        "coverage_pct": e.coverage_pct,
-    }
+    return cls(
+        **group,
+        requests=int(u.num_requests),
+        prompt_tokens=int(u.prompt_tokens),
+        cached_tokens=int(u.cached_tokens),
+        output_tokens=int(u.output_tokens),
+        kwh=None if e.measured_j is None else float(e.measured_j) / J_PER_KWH,
+        energy_usd=_float(e.energy_usd),
+        estimated_kwh=None if e.estimated_j is None else float(e.estimated_j) / J_PER_KWH,
+        list_value_usd=_float(u.list_value_usd),
+        j_per_output_token=(float(e.jpt_busy_j) / float(e.busy_output_tokens)
+                            if e.jpt_busy_j is not None and e.busy_output_tokens > 0 else None),
+        methods=sorted(e.methods),
+        coverage_pct=_float(e.coverage_pct),
+    )
 
 
-def grouped(name: str, usage: Mapping[str | None, UsageTotals], energy: Mapping[str | None, EnergyTotals]
-            ) -> list[dict[str, Any]]:
-    """One entry per group seen in either input, largest energy cost first, then most tokens."""
+def grouped(cls: type[F], name: str, usage: Mapping[str | None, UsageTotals],
+            energy: Mapping[str | None, EnergyTotals]) -> list[F]:
+    """One ``cls`` per group seen in either input (``name``: its group field), largest energy cost first, then
+    most tokens."""
     keys = set(usage) | set(energy)
-    rows = [{name: k, **summary(usage.get(k), energy.get(k))} for k in keys]
-    rows.sort(key=lambda r: (-(r["energy_usd"] or 0.0), -(r["output_tokens"] or 0), str(r[name])))
+    rows = [summary(usage.get(k), energy.get(k), cls, **{name: k}) for k in keys]
+    rows.sort(key=lambda r: (-(r.energy_usd or 0.0), -(r.output_tokens or 0), str(getattr(r, name))))
     return rows
 
 
@@ -128,25 +138,26 @@ def build_costs(*, now: dt.datetime, num_days: int, rate_usd_per_kwh: float | No
                 by_model: tuple[Mapping[str | None, UsageTotals], Mapping[str | None, EnergyTotals]],
                 by_member: tuple[Mapping[str | None, UsageTotals], Mapping[str | None, EnergyTotals]],
                 by_api_key: tuple[Mapping[str | None, UsageTotals], Mapping[str | None, EnergyTotals]],
-                ) -> dict[str, Any]:
+                ) -> CostsReport:
     """The costs document; the per-group maps cover the whole window."""
     days = day_keys(now.date(), num_days)
     window_usage = add_usage(daily_usage[d] for d in days if d in daily_usage)
     window_energy = add_energy(daily_energy[d] for d in days if d in daily_energy)
-    return {
-        "generated_at": now.isoformat(),
-        "days": num_days,
-        "rate_usd_per_kwh": rate_usd_per_kwh,
-        "today": {"day": days[-1].isoformat(), **summary(daily_usage.get(days[-1]), daily_energy.get(days[-1]))},
-        "window": {"from": days[0].isoformat(), "to": days[-1].isoformat(), **summary(window_usage, window_energy)},
-        "daily": [{"day": d.isoformat(), **summary(daily_usage.get(d), daily_energy.get(d))} for d in days],
-        "by_model": grouped("model", *by_model),
-        "by_member": grouped("member", *by_member),
-        "by_api_key": grouped("api_key_id", *by_api_key),
-        "note": ("kwh is measured energy (counter, power integration or engine-reported) and is null when no "
-                 "valid reading exists; estimated_kwh is never added into it. coverage_pct is the share of "
-                 "device-time backed by valid readings. API keys carry busy energy only; idle energy "
-                 "stays with the member and model. For an API key, coverage_pct is the share of its output "
-                 "tokens produced while every device it ran on had a valid reading. j_per_output_token is "
-                 "over the windows in which every device of the worker was measured."),
-    }
+    return CostsReport(
+        generated_at=now.isoformat(),
+        days=num_days,
+        rate_usd_per_kwh=_float(rate_usd_per_kwh),
+        today=summary(daily_usage.get(days[-1]), daily_energy.get(days[-1]), DayCosts, day=days[-1].isoformat()),
+        window=summary(window_usage, window_energy, WindowCosts, from_day=days[0].isoformat(),
+                       to_day=days[-1].isoformat()),
+        daily=[summary(daily_usage.get(d), daily_energy.get(d), DayCosts, day=d.isoformat()) for d in days],
+        by_model=grouped(ModelCosts, "model", *by_model),
+        by_member=grouped(MemberCosts, "member", *by_member),
+        by_api_key=grouped(KeyCosts, "api_key_id", *by_api_key),
+        note=("kwh is measured energy (counter, power integration or engine-reported) and is null when no "
+              "valid reading exists; estimated_kwh is never added into it. coverage_pct is the share of "
+              "device-time backed by valid readings. API keys carry busy energy only; idle energy "
+              "stays with the member and model. For an API key, coverage_pct is the share of its output "
+              "tokens produced while every device it ran on had a valid reading. j_per_output_token is "
+              "over the windows in which every device of the worker was measured."),
+    )

@@ -30,7 +30,26 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from proto import EnergySample, KeyEnergyQuery, KeyEnergyReply, ProtoDecodeError, UsageRecord, decode, encode, subjects
+from proto import (
+    AuthCheck,
+    AuthReply,
+    CostsQuery,
+    CostsReport,
+    EnergySample,
+    ErrorDetail,
+    ErrorReply,
+    KeyEnergyQuery,
+    KeyEnergyReply,
+    ProtoDecodeError,
+    SqlQuery,
+    SqlReply,
+    UsageRecord,
+    decode,
+    decode_json,
+    encode,
+    encode_json,
+    subjects,
+)
 from proto import pools as pool_config
 from services.accounting.intervals import Limits
 from services.accounting.puller import BatchPuller
@@ -44,7 +63,7 @@ from services.accounting.store import (
     jsonable,
 )
 from services.accounting.validation import energy_problem, month_bounds, usage_problem
-from services.common.http import HTTPError, error_body, error_middleware, read_json_object, serving
+from services.common.http import HTTPError, error_middleware, read_json_object, serving
 from services.common.runtime import ConfigError, raise_if_cancelling
 
 log = logging.getLogger(__name__)
@@ -331,15 +350,20 @@ class AccountingService:
             raise QueryTimedOut(self.config.query_timeout_s) from None
         return columns, [[jsonable(v) for v in r] for r in rows]
 
-    async def costs(self, num_days: int = 30) -> dict[str, Any]:
+    async def costs_report(self, num_days: int = 30) -> CostsReport:
+        """The costs document (services/accounting/costs.py) over the ``num_days`` UTC days ending today."""
         now_s = time.time()
         retention = self.config.retention_days
 
-        def work(ledger: Any) -> dict[str, Any]:
+        def work(ledger: Any) -> CostsReport:
             ledger.refresh_rollups(now_s, retention)
             return ledger.costs(now_s, num_days)  # type: ignore[no-any-return]
 
-        return jsonable(await self._write(work))  # type: ignore[no-any-return]
+        return await self._write(work)  # type: ignore[no-any-return]  # _write returns the callable's value
+
+    async def costs(self, num_days: int = 30) -> dict[str, Any]:
+        """:meth:`costs_report` as its JSON form (plain dicts and lists)."""
+        return msgspec.to_builtins(await self.costs_report(num_days))  # type: ignore[no-any-return]  # a Struct: a dict
 
     async def key_energy(self, month: str) -> KeyEnergyReply:
         """Month-to-date measured joules per API key (``Ledger.key_energy``), fresh as the last committed
@@ -365,30 +389,32 @@ class AccountingService:
         await msg.respond(encode(reply))
 
     async def _on_sql(self, msg: Msg) -> None:
-        reply: dict[str, Any]
+        """``SqlQuery`` → ``SqlReply`` (JSON); a refused, failed or malformed query gets ``error`` only."""
         try:
-            request = msgspec.json.decode(msg.data)
-            if isinstance(request, dict) and request.get("export_parquet"):
-                reply = {"files": await self.export_parquet()}
+            request = decode_json(msg.data, SqlQuery)
+            if request.export_parquet:
+                reply = SqlReply(files=await self.export_parquet())
             else:
-                sql = request.get("sql") if isinstance(request, dict) else None
-                if not isinstance(sql, str):
+                if request.sql is None:
                     raise QueryRejected('send {"sql": "SELECT …"}')
-                columns, rows = await self.run_sql(sql)
-                reply = {"columns": columns, "rows": rows}
+                columns, rows = await self.run_sql(request.sql)
+                reply = SqlReply(columns=columns, rows=rows)
         except (QueryRejected, QueryFailed, QueryTimedOut) as exc:
-            reply = {"error": str(exc)}
-        except (msgspec.DecodeError, RecursionError):
-            reply = {"error": "request is not JSON"}
-        await msg.respond(msgspec.json.encode(reply))
+            reply = SqlReply(error=str(exc))
+        except ProtoDecodeError as exc:
+            reply = SqlReply(error="request is not JSON" if exc.is_malformed else 'send {"sql": "SELECT …"}')
+        await msg.respond(encode_json(reply))
 
     async def _on_costs(self, msg: Msg) -> None:
+        """``CostsQuery`` (an empty payload is the default query) → ``CostsReport``, or an ``ErrorReply``."""
+        reply: CostsReport | ErrorReply
         try:
-            request = msgspec.json.decode(msg.data) if msg.data else {}
-            reply = await self.costs(_days(request.get("days", 30) if isinstance(request, dict) else None))
-        except (msgspec.DecodeError, ValueError, RecursionError) as exc:
-            reply = error_body(f"bad costs request: {exc}", "invalid_request_error", "invalid_request")
-        await msg.respond(msgspec.json.encode(reply))
+            request = decode_json(msg.data, CostsQuery) if msg.data else CostsQuery()
+            reply = await self.costs_report(_days(request.days))
+        except (ProtoDecodeError, ValueError) as exc:
+            reply = ErrorReply(error=ErrorDetail(message=f"bad costs request: {exc}", type="invalid_request_error",
+                                                 code="invalid_request"))
+        await msg.respond(encode_json(reply))
 
     # ---- HTTP -------------------------------------------------------------------------------------------
 
@@ -408,18 +434,18 @@ class AccountingService:
             raise HTTPError(401, "send an admin API key: Authorization: Bearer sk-…", code="missing_api_key")
         digest = hashlib.sha256(key.strip().encode()).hexdigest()
         try:
-            msg = await self.nc.request(subjects.AUTH_CHECK, msgspec.json.encode({"key_sha256": digest}),
+            msg = await self.nc.request(subjects.AUTH_CHECK, encode_json(AuthCheck(key_sha256=digest)),
                                         timeout=self.config.auth_timeout_s)
-            answer = msgspec.json.decode(msg.data)
+            answer = decode_json(msg.data, AuthReply)
         except (NoRespondersError, NatsTimeout, TimeoutError):
             raise_if_cancelling()
             raise HTTPError(503, "cannot check the API key: no gateway answered on the bus",
                             code="auth_unavailable", retry_after_s=5) from None
-        except (msgspec.DecodeError, RecursionError):
+        except ProtoDecodeError:
             raise HTTPError(503, "the key check returned garbage", code="auth_unavailable") from None
-        if not isinstance(answer, dict) or not answer.get("ok"):
+        if not answer.ok:
             raise HTTPError(401, "invalid API key", code="invalid_api_key")
-        if answer.get("role") != "admin":
+        if answer.role != "admin":
             raise HTTPError(403, "this endpoint needs an admin API key", code="admin_required")
 
     async def _http_sql(self, request: web.Request) -> web.StreamResponse:
@@ -444,7 +470,7 @@ class AccountingService:
             days = _days(request.query.get("days", "30"))
         except ValueError as exc:
             raise HTTPError(400, str(exc), code="invalid_request", param="days") from None
-        return web.json_response(await self.costs(days))
+        return web.json_response(body=encode_json(await self.costs_report(days)))
 
     async def _http_health(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"ok": True})

@@ -16,9 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
-from proto import subjects
+from proto import SqlQuery, SqlReply, decode_json, encode_json, subjects
 from services.common.runtime import data_dir, read_stack_file
 
 
@@ -26,7 +24,7 @@ class SqlError(RuntimeError):
     pass
 
 
-async def _over_bus(url: str, request: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+async def _over_bus(url: str, request: SqlQuery, timeout_s: float) -> SqlReply | None:
     import nats
     from nats.errors import NoRespondersError, NoServersError
     from nats.errors import TimeoutError as NatsTimeout
@@ -36,15 +34,15 @@ async def _over_bus(url: str, request: dict[str, Any], timeout_s: float) -> dict
     except (NoServersError, OSError, TimeoutError, NatsTimeout):
         return None
     try:
-        msg = await nc.request(subjects.ACCOUNTING_SQL, msgspec.json.encode(request), timeout=timeout_s)
-        return msgspec.json.decode(msg.data)  # type: ignore[no-any-return]
+        msg = await nc.request(subjects.ACCOUNTING_SQL, encode_json(request), timeout=timeout_s)
+        return decode_json(msg.data, SqlReply)
     except NoRespondersError:
         return None
     finally:
         await nc.close()
 
 
-def _from_file(db: Path, sql: str | None, export_dir: Path) -> dict[str, Any]:
+def _from_file(db: Path, sql: str | None, export_dir: Path) -> SqlReply:
     """Open the ledger read-only (same guards as the service: no file access, read-only transaction)."""
     import duckdb
 
@@ -58,12 +56,12 @@ def _from_file(db: Path, sql: str | None, export_dir: Path) -> dict[str, Any]:
         raise SqlError(f"cannot open {db} ({exc}); is the accounting service running elsewhere?") from None
     try:
         if sql is None:
-            return {"files": [str(p) for p in ledger.export_parquet(export_dir)]}
+            return SqlReply(files=[str(p) for p in ledger.export_parquet(export_dir)])
         columns, rows = ledger.query(sql)
         # the same values as the service sends over the bus (so --format json does not depend on the path)
-        return {"columns": columns, "rows": [[jsonable(v) for v in r] for r in rows]}
+        return SqlReply(columns=columns, rows=[[jsonable(v) for v in r] for r in rows])
     except (QueryRejected, QueryFailed) as exc:
-        return {"error": str(exc)}
+        return SqlReply(error=str(exc))
     finally:
         ledger.close()
 
@@ -95,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
 
     data = data_dir(args.data_dir)
     url = args.nats or os.environ.get("NATS_URL") or (read_stack_file(data) or {}).get("nats_url")
-    request: dict[str, Any] = {"export_parquet": True} if exporting else {"sql": args.query}
+    request = SqlQuery(export_parquet=True) if exporting else SqlQuery(sql=args.query)
     result = asyncio.run(_over_bus(url, request, args.timeout)) if url else None
     try:
         if result is None:
@@ -104,13 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     except SqlError as exc:
         print(f"llmgw sql: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
-    if "error" in result:
-        print(f"llmgw sql: {result['error']}", file=sys.stderr)
+    if result.error is not None:
+        print(f"llmgw sql: {result.error}", file=sys.stderr)
         raise SystemExit(1)
     if exporting:
-        print("\n".join(result["files"]))
+        print("\n".join(result.files or []))
         return
-    columns, rows = result["columns"], result["rows"]
+    columns, rows = result.columns or [], result.rows or []
     if args.format == "json":
         print(json.dumps([dict(zip(columns, r, strict=True)) for r in rows], default=str, indent=2))
     elif args.format == "csv":

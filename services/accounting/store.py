@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import duckdb
 
-from proto import EnergySample, UsageRecord
+from proto import CostsReport, EnergySample, UsageRecord
 from services.accounting import costs, schema
 from services.accounting.device_stream import Part, StreamSample, split
 from services.accounting.intervals import Limits, Reading, Sample, TokenCount, sample_of
@@ -647,7 +647,7 @@ class Ledger:
 
     # ---- costs --------------------------------------------------------------------------------------------
 
-    def costs(self, now_s: float, num_days: int) -> dict[str, Any]:
+    def costs(self, now_s: float, num_days: int) -> CostsReport:
         """The costs document (services/accounting/costs.py) over the ``num_days`` UTC days ending today."""
         now = _ts(now_s)
         start = now.date() - dt.timedelta(days=num_days - 1)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from proto.messages import EnergyReading
+from proto.fleet import EnergyReading
 from services.common.energy_counter import US_PER_S, Counter, CounterLimits, counter_delta, epoch_us
 
 log = logging.getLogger(__name__)

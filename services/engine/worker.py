@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from proto import (
+    Cancel,
     ErrorInfo,
     GenerateRequest,
     ProtoDecodeError,
@@ -192,7 +193,12 @@ class BusWorker:
         task.add_done_callback(lambda _t, rid=req.request_id: self._tasks.pop(rid, None))
 
     async def _on_cancel(self, msg: Msg) -> None:
-        task = self._tasks.get(msg.data.decode(errors="replace"))
+        try:
+            request_id = decode(msg.data, Cancel).request_id
+        except ProtoDecodeError as exc:
+            log.debug("ignored a malformed cancel: %s", exc)
+            return
+        task = self._tasks.get(request_id)
         if task is not None:
             task.cancel()
 

@@ -10,7 +10,7 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 
-from proto import GenerateRequest, ProtoDecodeError, TokenChunk, decode, encode, subjects
+from proto import Cancel, GenerateRequest, ProtoDecodeError, TokenChunk, decode, encode, subjects
 from services.common.http import HTTPError
 from services.common.openai_stream import chunk_error
 from services.common.runtime import raise_if_cancelling
@@ -167,4 +167,4 @@ async def start(nc: Client, worker_id: str, generate: GenerateRequest, first_chu
 
 async def cancel(nc: Client, worker_id: str, request_id: str) -> None:
     with contextlib.suppress(Exception):
-        await nc.publish(subjects.cancel(worker_id), request_id.encode())
+        await nc.publish(subjects.cancel(worker_id), encode(Cancel(request_id=request_id)))

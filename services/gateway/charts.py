@@ -10,6 +10,8 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+from proto import CostFigures, CostsReport
+
 KWH_COLOUR = "#0b5cad"  # the stylesheet's --accent
 USD_COLOUR = "#b54708"  # orange-brown: 5.4:1 on white (WCAG AA for small text), unlike the blue without red/green
 MISSING_COLOUR = "#9aa4ae"
@@ -114,35 +116,35 @@ def daily_chart_svg(days: Sequence[tuple[str, float | None, float | None]], widt
     return "".join(parts)
 
 
-def _row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
+def _row(name: str, entry: CostFigures) -> dict[str, Any]:
     """One summary of the accounting costs document (docs/accounting.md, "Costs API")."""
-    return {"name": name, "prompt_tokens": entry.get("prompt_tokens"), "cached_tokens": entry.get("cached_tokens"),
-            "output_tokens": entry.get("output_tokens"), "kwh": entry.get("kwh"),
-            "energy_usd": entry.get("energy_usd"), "list_usd": entry.get("list_value_usd"),
-            "j_per_token": entry.get("j_per_output_token"), "coverage_pct": entry.get("coverage_pct")}
+    return {"name": name, "prompt_tokens": entry.prompt_tokens, "cached_tokens": entry.cached_tokens,
+            "output_tokens": entry.output_tokens, "kwh": entry.kwh,
+            "energy_usd": entry.energy_usd, "list_usd": entry.list_value_usd,
+            "j_per_token": entry.j_per_output_token, "coverage_pct": entry.coverage_pct}
 
 
-def costs_view(data: dict[str, Any]) -> dict[str, Any]:
+def costs_view(data: CostsReport) -> dict[str, Any]:
     """The accounting service's costs document → what costs.html renders."""
     periods = []
-    for pid, title in (("today", "Today (UTC)"), ("window", f"Last {data.get('days', 30)} days")):
-        periods.append({"id": pid, "title": title, **_row(title, data.get(pid) or {})})
-    daily = [(d.get("day", ""), d.get("kwh"), d.get("energy_usd")) for d in data.get("daily", [])]
-    methods = sorted({m for entry in (data.get("window") or {}, data.get("today") or {})
-                      for m in entry.get("methods") or []})
+    for pid, title, entry in (("today", "Today (UTC)", data.today), ("window", f"Last {data.days} days", data.window)):
+        periods.append({"id": pid, "title": title, **_row(title, entry)})
+    daily = [(d.day, d.kwh, d.energy_usd) for d in data.daily]
+    methods = sorted({m for entry in (data.window, data.today) for m in entry.methods})
 
-    def rows(key: str, name_key: str) -> list[dict[str, Any]]:
-        return [_row(str(r.get(name_key) or "-"), r) for r in data.get(key, [])]
+    def rows(entries: Sequence[CostFigures], names: Sequence[str | None]) -> list[dict[str, Any]]:
+        return [_row(str(name or "-"), r) for r, name in zip(entries, names, strict=True)]
 
     return {
-        "periods": periods, "chart": daily_chart_svg(daily), "rate": data.get("rate_usd_per_kwh"),
-        "daily": [_row(str(d.get("day", "")), d) for d in data.get("daily", [])],
-        "methods": ", ".join(methods), "by_model": rows("by_model", "model"),
-        "by_member": rows("by_member", "member"), "by_key": rows("by_api_key", "api_key_id"),
+        "periods": periods, "chart": daily_chart_svg(daily), "rate": data.rate_usd_per_kwh,
+        "daily": [_row(d.day, d) for d in data.daily],
+        "methods": ", ".join(methods), "by_model": rows(data.by_model, [r.model for r in data.by_model]),
+        "by_member": rows(data.by_member, [r.member for r in data.by_member]),
+        "by_key": rows(data.by_api_key, [r.api_key_id for r in data.by_api_key]),
     }
 
 
-def key_usage_view(data: dict[str, Any], key_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+def key_usage_view(data: CostsReport, key_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The costs document's 30-day ``by_api_key`` rows for ``key_ids`` only (a user's own page), by key id.
 
     ``tokens`` is prompt + output tokens (cached prompt tokens are part of the prompt); keys without
@@ -150,8 +152,8 @@ def key_usage_view(data: dict[str, Any], key_ids: Sequence[str]) -> dict[str, di
     """
     wanted = set(key_ids)
     out = {}
-    for entry in data.get("by_api_key", []):
-        key_id = entry.get("api_key_id")
+    for entry in data.by_api_key:
+        key_id = entry.api_key_id
         if key_id in wanted:
             row = _row(str(key_id), entry)
             known = [n for n in (row["prompt_tokens"], row["output_tokens"]) if n is not None]

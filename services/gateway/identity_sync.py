@@ -2,7 +2,8 @@
 
 Each gateway keeps its own SQLite copy (:mod:`services.gateway.identity`) and answers from it, so a
 request never waits on the bus. Changes travel through the JetStream bucket ``llm_identity`` (one entry
-per row, ``users.<user_id>`` / ``api_keys.<key_id>``, the newest version kept):
+per row, ``users.<user_id>`` / ``api_keys.<key_id>`` / ``limits.<principal>``, a JSON
+:class:`proto.UserRow` / :class:`proto.ApiKeyRow` / :class:`proto.LimitsRow`, the newest version kept):
 
 - a change made here is put into the bucket, retried until the bus takes it;
 - a gateway starting up applies the whole bucket before it decides whether it is the first one (only
@@ -31,7 +32,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
-from proto import subjects
+from proto import IDENTITY_ROWS, ProtoDecodeError, decode_json, encode_json, subjects
 from services.common.runtime import raise_if_cancelling
 from services.gateway.identity import REPLICATED, IdentityStore
 
@@ -144,7 +145,7 @@ class IdentitySync:
                 await self._sub.unsubscribe()
 
     def _local_change(self, table: str, row: dict[str, Any]) -> None:
-        self._outbox[entry_key(table, row)] = msgspec.json.encode(row)
+        self._outbox[entry_key(table, row)] = encode_json(IDENTITY_ROWS[table](**row))
         self._wake.set()
 
     async def _send_outbox(self) -> None:
@@ -187,7 +188,10 @@ class IdentitySync:
         """Apply one bucket entry; the decoded row, or None when it was refused."""
         table = key.partition(".")[0]
         try:
-            row = msgspec.json.decode(value)
+            row_type = IDENTITY_ROWS.get(table)
+            if row_type is None:
+                raise ValueError(f"no table {table!r} is shared")
+            row = msgspec.structs.asdict(decode_json(value, row_type))
             if self.store.apply_replica(table, row):
                 self.applied += 1
         except sqlite3.IntegrityError as exc:
@@ -196,7 +200,7 @@ class IdentitySync:
                 return row
             log.warning("kept our own version of %s: the shared one conflicts here (%s)", key, exc)
             return None
-        except (msgspec.DecodeError, ValueError, TypeError, KeyError, RecursionError) as exc:
+        except (ProtoDecodeError, ValueError, TypeError, KeyError) as exc:
             log.warning("ignored a malformed shared identity entry %s: %s", key, exc)
             return None
         self._waiting.pop(key, None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import secrets
 import time
 from collections.abc import Callable
@@ -17,10 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jinja2
+import msgspec
 from aiohttp import web
 from markupsafe import Markup
 
-from proto import subjects
+from proto import CostsQuery, CostsReport, ErrorReply, ProtoDecodeError, decode_json, encode_json, subjects
 from services.common.http import HTTPError, read_form, read_json_object
 from services.gateway import charts, config_form, limits_form
 from services.gateway.auth import LOGIN_CSRF_COOKIE, SESSION_COOKIE
@@ -231,17 +231,21 @@ class Pages:
 
     # ---- Usage & costs ----------------------------------------------------------------------------
 
-    async def _costs(self, timeout_s: float = COSTS_TIMEOUT_S) -> dict[str, Any]:
+    async def _costs(self, timeout_s: float = COSTS_TIMEOUT_S) -> CostsReport:
         try:
-            msg = await self.gw.nc.request(subjects.ACCOUNTING_COSTS, b'{"days": 30}', timeout=timeout_s)
-            data = json.loads(msg.data)
+            msg = await self.gw.nc.request(subjects.ACCOUNTING_COSTS, encode_json(CostsQuery(days=30)),
+                                           timeout=timeout_s)
         except Exception as exc:
             raise HTTPError(503, f"the accounting service did not answer ({type(exc).__name__}); is it running?",
                             code="accounting_unavailable", retry_after_s=5) from None
-        if not isinstance(data, dict) or "error" in data:
-            reason = data.get("error") if isinstance(data, dict) else data
-            raise HTTPError(503, f"the accounting service failed: {reason}", code="accounting_failed")
-        return data
+        try:
+            return decode_json(msg.data, CostsReport)
+        except ProtoDecodeError as exc:
+            try:
+                reason: object = msgspec.structs.asdict(decode_json(msg.data, ErrorReply).error)
+            except ProtoDecodeError:
+                reason = exc
+        raise HTTPError(503, f"the accounting service failed: {reason}", code="accounting_failed")
 
     async def costs_page(self, request: web.Request) -> web.Response:
         session = self.auth.page_user(request, time.time(), admin=True)
@@ -254,7 +258,7 @@ class Pages:
 
     async def costs_json(self, request: web.Request) -> web.Response:
         self.auth.api_user(request, time.time(), admin=True)
-        return web.json_response(await self._costs())
+        return web.json_response(msgspec.to_builtins(await self._costs()))
 
     # ---- Users ------------------------------------------------------------------------------------
 

@@ -27,6 +27,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from proto import (
+    AuthCheck,
+    AuthReply,
     KeyEnergyQuery,
     KeyEnergyReply,
     LimitCounters,
@@ -36,7 +38,9 @@ from proto import (
     Usage,
     UsageRecord,
     decode,
+    decode_json,
     encode,
+    encode_json,
     subjects,
 )
 from proto import pools as pool_config
@@ -225,18 +229,18 @@ class GatewayService:
     async def _on_auth_check(self, msg: Msg) -> None:
         """Other services (accounting's /sql, /costs) ask whether an API key's digest is valid, and whose."""
         try:
-            digest = msgspec.json.decode(msg.data).get("key_sha256")
-        except (msgspec.DecodeError, AttributeError, RecursionError):
+            digest: str | None = decode_json(msg.data, AuthCheck).key_sha256
+        except ProtoDecodeError:
             digest = None
-        key = self.identity.lookup_key(digest, time.time()) if isinstance(digest, str) else None
+        key = self.identity.lookup_key(digest, time.time()) if digest is not None else None
         user = self.identity.user(key.user_id) if key is not None else None
-        reply: dict[str, Any] = {"ok": False}
+        reply = AuthReply(ok=False)
         if key is not None and user is not None:
-            reply = {"ok": True, "role": user.role, "key_id": key.key_id, "user": user.name}
+            reply = AuthReply(ok=True, role=user.role, key_id=key.key_id, user=user.name)
         else:  # every gateway answers and the asker takes the first reply: let one that knows the key win
             await asyncio.sleep(NEGATIVE_AUTH_DELAY_S)
         with contextlib.suppress(Exception):
-            await msg.respond(msgspec.json.encode(reply))
+            await msg.respond(encode_json(reply))
 
     async def _share_limit_counters(self) -> None:
         """Tell the other gateways what this one counted against every limit, so limits hold fleet-wide."""

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from proto.messages import EngineKind
+from proto.fleet import EngineKind
 from services.telemetry.promparse import Exposition
 
 WH_TO_MJ = 3.6e6  # 1 Wh = 3600 J = 3.6e6 mJ

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from proto.messages import EngineKind
+from proto.fleet import EngineKind
 from services.telemetry import normalize as n
 from services.telemetry.probe import Member
 from services.telemetry.promparse import Exposition, PromParseError, parse

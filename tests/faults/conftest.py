@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from proto import UsageRecord, decode, subjects
+from proto import SqlQuery, UsageRecord, decode, encode_json, subjects
 from proto import pools as pool_config
 from services.common.bus import connect, ensure_bus
 from services.common.runtime import raise_if_cancelling
@@ -357,7 +357,7 @@ async def sql(nats_url: str, query: str, timeout_s: float = 15.0) -> dict[str, A
 
     nc = await connect(nats_url, "sql")
     try:
-        msg = await nc.request(subjects.ACCOUNTING_SQL, msgspec.json.encode({"sql": query}), timeout=timeout_s)
+        msg = await nc.request(subjects.ACCOUNTING_SQL, encode_json(SqlQuery(sql=query)), timeout=timeout_s)
         return msgspec.json.decode(msg.data)  # type: ignore[no-any-return]
     finally:
         await nc.close()

@@ -20,12 +20,26 @@ import duckdb
 import msgspec
 import pytest
 
-from proto import EnergyReading, EnergySample, RequestTokens, UsageRecord, encode, subjects
+from proto import (
+    AuthCheck,
+    AuthReply,
+    ConfigChanged,
+    CostsQuery,
+    EnergyReading,
+    EnergySample,
+    RequestTokens,
+    SqlQuery,
+    UsageRecord,
+    decode_json,
+    encode,
+    encode_json,
+    subjects,
+)
 from services.accounting.service import AccountingConfig, AccountingService
 
 DAY_S = 86400
-KEYS = {"sk-admin": {"ok": True, "role": "admin", "key_id": "k-admin", "user": "ops"},
-        "sk-user": {"ok": True, "role": "user", "key_id": "k-user", "user": "alice"}}
+KEYS = {"sk-admin": AuthReply(ok=True, role="admin", key_id="k-admin", user="ops"),
+        "sk-user": AuthReply(ok=True, role="user", key_id="k-user", user="alice")}
 
 
 def energy(seq: int, ts_s: float, mj: int | None, *, worker: str = "w1", session: str = "s1", kind: str = "nvml",
@@ -93,8 +107,8 @@ async def auth(nc: Any) -> AsyncIterator[None]:
     table = {hashlib.sha256(k.encode()).hexdigest(): v for k, v in KEYS.items()}
 
     async def answer(msg: Any) -> None:
-        digest = msgspec.json.decode(msg.data)["key_sha256"]
-        await msg.respond(msgspec.json.encode(table.get(digest, {"ok": False})))
+        digest = decode_json(msg.data, AuthCheck).key_sha256
+        await msg.respond(encode_json(table.get(digest, AuthReply(ok=False))))
 
     sub = await nc.subscribe(subjects.AUTH_CHECK, cb=answer)
     yield
@@ -222,7 +236,8 @@ async def test_missing_readings_are_null_and_lower_coverage_never_zero_kwh(nc: A
         costs = await service.costs(30)
         assert costs["today"]["kwh"] is None and costs["today"]["energy_usd"] is None
         assert costs["today"]["coverage_pct"] == 0.0 and costs["today"]["methods"] == ["unavailable"]
-        over_bus = msgspec.json.decode((await nc.request(subjects.ACCOUNTING_COSTS, b"{}", timeout=10)).data)
+        over_bus = msgspec.json.decode((await nc.request(subjects.ACCOUNTING_COSTS, encode_json(CostsQuery()),
+                                                         timeout=10)).data)
         assert over_bus["today"]["kwh"] is None and len(over_bus["daily"]) == 30
 
 
@@ -297,9 +312,9 @@ async def test_operator_sql_over_http_and_the_bus_is_read_only(nc: Any, tmp_path
                 assert resp.status == 200 and len(body["daily"]) == 7 and body["today"]["output_tokens"] == 5
         for query in REFUSED:
             reply = msgspec.json.decode((await nc.request(subjects.ACCOUNTING_SQL,
-                                                          msgspec.json.encode({"sql": query}), timeout=10)).data)
+                                                          encode_json(SqlQuery(sql=query)), timeout=10)).data)
             assert "error" in reply, query
-        count = b'{"sql": "SELECT count(*) AS n FROM requests"}'
+        count = encode_json(SqlQuery(sql="SELECT count(*) AS n FROM requests"))
         reply = msgspec.json.decode((await nc.request(subjects.ACCOUNTING_SQL, count, timeout=10)).data)
         assert reply == {"columns": ["n"], "rows": [[1]]}
         assert await sql(service, "SELECT count(*) FROM requests") == [[1]]
@@ -343,7 +358,7 @@ async def test_the_gateway_config_page_sets_the_rate_and_price_book(nc: Any, tmp
     async with running(nc, tmp_path / "l.duckdb") as service:
         raw = {"electricity_rate_usd_per_kwh": 0.31,
                "price_book": {"tiny": {"prompt_usd_per_m": 1.0, "cached_usd_per_m": 0.5, "output_usd_per_m": 2.0}}}
-        await nc.publish(subjects.CONFIG_CHANGED, msgspec.json.encode({"gateway_id": "gw", "config": raw}))
+        await nc.publish(subjects.CONFIG_CHANGED, encode_json(ConfigChanged(gateway_id="gw", config=raw)))
         await asyncio.wait_for(service.config_applied.wait(), 10)
         assert await sql(service, "SELECT usd_per_kwh, source FROM tariff ORDER BY effective_from DESC LIMIT 1") \
             == [[0.31, "gateway config"]]

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from proto import UsageRecord, subjects
+from proto import CostsQuery, UsageRecord, encode_json, subjects
 from services.accounting.service import DatedRate
 from services.accounting.store import Ledger, PriceBookEntry
 from tests.integration.test_accounting_energy import (
@@ -119,7 +119,8 @@ async def test_list_value_uses_the_model_price_else_the_star_price(nc: Any, tmp_
     m2 = ((100 - 40) * 0.3 + 40 * 0.1 + 50 * 0.6) / 1e6  # no row of its own: the '*' row
     async with running(nc, tmp_path / "l.duckdb", price_book=book) as service:
         await ingested(service, lambda s: s.stats.usage_ingested >= 3)
-        costs = msgspec.json.decode((await nc.request(subjects.ACCOUNTING_COSTS, b"{}", timeout=10)).data)
+        costs = msgspec.json.decode((await nc.request(subjects.ACCOUNTING_COSTS, encode_json(CostsQuery()),
+                                                      timeout=10)).data)
         assert {m["model"]: m["list_value_usd"] for m in costs["by_model"]} == {
             "m1": pytest.approx(m1), "m2": pytest.approx(m2)}
         assert costs["today"]["list_value_usd"] == pytest.approx(m1 + m2)

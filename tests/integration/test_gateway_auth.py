@@ -14,7 +14,7 @@ import msgspec
 import openai
 import pytest
 
-from proto import SlotHeartbeat, encode, subjects
+from proto import AuthCheck, SlotHeartbeat, SqlQuery, encode, encode_json, subjects
 from proto import pools as pool_config
 from services.common.http import serving
 from services.gateway.identity import hash_password, key_digest
@@ -162,13 +162,13 @@ async def test_usage_is_attributed_to_the_key_id_never_the_key(stack: Stack) -> 
 
 
 async def _rows(stack: Stack, sql: str) -> list[list[object]]:
-    msg = await stack.gateway.nc.request(subjects.ACCOUNTING_SQL, msgspec.json.encode({"sql": sql}), timeout=10)
+    msg = await stack.gateway.nc.request(subjects.ACCOUNTING_SQL, encode_json(SqlQuery(sql=sql)), timeout=10)
     return msgspec.json.decode(msg.data)["rows"]
 
 
 async def test_other_services_check_keys_over_the_bus(stack: Stack) -> None:
     async def check(digest: str) -> dict[str, object]:
-        msg = await stack.gateway.nc.request(subjects.AUTH_CHECK, msgspec.json.encode({"key_sha256": digest}),
+        msg = await stack.gateway.nc.request(subjects.AUTH_CHECK, encode_json(AuthCheck(key_sha256=digest)),
                                              timeout=5)
         return msgspec.json.decode(msg.data)
 

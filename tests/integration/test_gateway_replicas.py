@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from proto import subjects
+from proto import AuthCheck, encode_json, subjects
 from services.common.bus import connect
 from services.common.http import HTTPError
 from services.gateway import service as gateway_service
@@ -32,7 +32,7 @@ async def gateway(url: str, data_dir: Path, gateway_id: str) -> AsyncIterator[Ga
 
 
 async def auth_check(nc, key: str) -> dict:  # type: ignore[no-untyped-def]
-    msg = await nc.request(subjects.AUTH_CHECK, msgspec.json.encode({"key_sha256": key_digest(key)}), timeout=5)
+    msg = await nc.request(subjects.AUTH_CHECK, encode_json(AuthCheck(key_sha256=key_digest(key))), timeout=5)
     return msgspec.json.decode(msg.data)
 
 

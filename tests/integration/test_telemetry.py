@@ -389,10 +389,10 @@ def test_a_pools_file_poll_interval_under_100_ms_stops_start_up_naming_the_key(t
 async def test_a_saved_pools_file_s_poll_interval_retimes_scrapes_at_once_unless_the_flag_pinned_it(
         nc: Client) -> None:
     """A gateway's Config page broadcasts the new file on llm.v1.config.changed; telemetry does not restart."""
-    import msgspec
+    from proto import ConfigChanged, encode_json
 
     def change(poll_interval_s: float) -> bytes:
-        return msgspec.json.encode({"gateway_id": "gw", "config": {"metrics": {"poll_interval": poll_interval_s}}})
+        return encode_json(ConfigChanged(gateway_id="gw", config={"metrics": {"poll_interval": poll_interval_s}}))
 
     async with contextlib.AsyncExitStack() as es:
         # ids chosen for a small phase (crc32 % 1000: follower 38, pinned 223), so the first scrape comes soon
@@ -501,18 +501,18 @@ async def test_the_gateway_routes_to_the_member_telemetry_says_is_idle(nc: Clien
 
 async def test_members_follow_the_pools_a_gateway_saves(nc: Client) -> None:
     """The Config page broadcasts new pools: telemetry starts watching an added HTTP member, stops a removed one."""
-    import msgspec
+    from proto import ConfigChanged, encode_json
 
     async with contextlib.AsyncExitStack() as es:
         url = await es.enter_async_context(serving(Engine("ninfer").app(), "127.0.0.1", 0))
         fleet = await es.enter_async_context(fleet_of(nc, {}))
         await fleet.telemetry.following_pools.wait()
         raw = {"model_pools": {"m": {"members": [{"model_id": "m", "backend": url}]}}}
-        await nc.publish(subjects.CONFIG_CHANGED, msgspec.json.encode({"gateway_id": "gw", "config": raw}))
+        await nc.publish(subjects.CONFIG_CHANGED, encode_json(ConfigChanged(gateway_id="gw", config=raw)))
         mid = pool_config.member_id_for(url)
         await _ready(fleet, mid)
         assert fleet.telemetry.members[mid].from_pools
-        await nc.publish(subjects.CONFIG_CHANGED, msgspec.json.encode({"gateway_id": "gw", "config": {}}))
+        await nc.publish(subjects.CONFIG_CHANGED, encode_json(ConfigChanged(gateway_id="gw", config={})))
         await wait_for(lambda: mid not in fleet.telemetry.members)
         await nc.publish(subjects.CONFIG_CHANGED, b"garbage")  # ignored with a warning, nothing breaks
         await nc.flush()

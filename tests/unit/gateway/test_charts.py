@@ -6,12 +6,22 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from proto import CostsReport, DayCosts, KeyCosts, WindowCosts
 from services.gateway import charts
 
 # daily_chart_svg's default geometry: 720 x 250, margins left 52, right 60, top 34, bottom 28
 TOP, PLOT_H, LEFT, PLOT_W = 34, 250 - 34 - 28, 52, 720 - 52 - 60
 DAYS = [("2026-11-01", 0.5, 0.0625), ("2026-11-02", None, None), ("2026-11-03", 1.0, 0.125),
         ("2026-11-04", 0.25, 0.03125)]
+
+
+def _report(**fields: object) -> CostsReport:
+    """A costs document with empty figures wherever ``fields`` gives none."""
+    defaults: dict[str, object] = {
+        "generated_at": "2026-11-02T12:00:00+00:00", "days": 30, "rate_usd_per_kwh": None,
+        "today": DayCosts(day="2026-11-02"), "window": WindowCosts(from_day="2026-10-04", to_day="2026-11-02"),
+        "daily": [], "by_model": [], "by_member": [], "by_api_key": []}
+    return CostsReport(**{**defaults, **fields})  # type: ignore[arg-type]  # values typed by the caller
 
 
 def _parse(svg: str) -> ET.Element:
@@ -78,9 +88,9 @@ def test_a_month_without_any_readings_draws_only_outlines() -> None:
 
 
 def test_the_costs_view_keeps_unknown_days_unknown_in_the_table() -> None:
-    data = {"days": 2, "rate_usd_per_kwh": 0.125, "today": {}, "window": {},
-            "daily": [{"day": "2026-11-01", "kwh": None, "energy_usd": None, "output_tokens": 7},
-                      {"day": "2026-11-02", "kwh": 0.5, "energy_usd": 0.5 * 0.125, "output_tokens": 3}]}
+    data = _report(days=2, rate_usd_per_kwh=0.125,
+                   daily=[DayCosts(day="2026-11-01", kwh=None, energy_usd=None, output_tokens=7),
+                          DayCosts(day="2026-11-02", kwh=0.5, energy_usd=0.5 * 0.125, output_tokens=3)])
     view = charts.costs_view(data)
     assert [(d["name"], d["kwh"], d["energy_usd"]) for d in view["daily"]] == [
         ("2026-11-01", None, None), ("2026-11-02", 0.5, 0.5 * 0.125)]
@@ -88,10 +98,10 @@ def test_the_costs_view_keeps_unknown_days_unknown_in_the_table() -> None:
 
 
 def test_a_users_own_figures_are_their_keys_rows_only() -> None:
-    data = {"by_api_key": [
-        {"api_key_id": "key_a", "prompt_tokens": 10, "output_tokens": 5, "list_value_usd": 0.5, "energy_usd": None},
-        {"api_key_id": "key_b", "prompt_tokens": 7, "output_tokens": 1, "list_value_usd": 0.1, "energy_usd": 0.02},
-        {"api_key_id": None, "prompt_tokens": 99, "output_tokens": 99}]}
+    data = _report(by_api_key=[
+        KeyCosts(api_key_id="key_a", prompt_tokens=10, output_tokens=5, list_value_usd=0.5, energy_usd=None),
+        KeyCosts(api_key_id="key_b", prompt_tokens=7, output_tokens=1, list_value_usd=0.1, energy_usd=0.02),
+        KeyCosts(api_key_id=None, prompt_tokens=99, output_tokens=99)])
     mine = charts.key_usage_view(data, ["key_a", "key_c"])
     assert list(mine) == ["key_a"]
     assert mine["key_a"]["tokens"] == 10 + 5 and mine["key_a"]["list_usd"] == 0.5

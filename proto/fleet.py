@@ -1,0 +1,75 @@
+"""The fleet's link: engines' and telemetry's SlotHeartbeat to the gateways, and one device's EnergyReading."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+EngineKind = Literal["native", "ninfer", "vllm", "llamacpp", "sglang", "stock"]
+WorkerState = Literal["ready", "draining", "stopped", "down"]
+# "engine_reported": the engine's own figures (an NInfer-class /usage daily Wh), relayed by telemetry
+EnergyMethod = Literal["counter", "power_integration", "estimated", "engine_reported", "unavailable"]
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Base: frozen, keyword-only, defaults left off the wire, unknown fields ignored on decode."""
+
+
+class SlotHeartbeat(_Msg):
+    """engine or telemetry → gateways on ``llm.v1.hb.<worker_id>`` and the ``llm_workers`` KV bucket.
+
+    ``admitted_by_gateway`` counts, per gateway id, the requests the engine has accepted since
+    ``session_id`` began, so each gateway books only the requests it routed that this heartbeat cannot
+    yet reflect (``admitted_total`` is the sum over all gateways and direct HTTP clients).
+    """
+
+    worker_id: str
+    session_id: str
+    seq: int
+    ts_s: float
+    model_id: str
+    engine_kind: EngineKind = "native"
+    backend: str = ""
+    state: WorkerState = "ready"
+    lanes: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+    max_pending: int | None = None
+    max_context: int | None = None
+    kv_usage: float | None = None
+    kv_blocks_used: int | None = None
+    kv_blocks_total: int | None = None
+    kv_spills_total: int | None = None
+    kv_evictions_total: int | None = None
+    preemptions_total: int | None = None
+    admitted_total: int | None = None
+    prompt_tokens_queried_total: int | None = None
+    prompt_tokens_hit_total: int | None = None
+    prefill_tok_per_s: float | None = None
+    decode_tok_per_s: float | None = None
+    energy_today_wh: float | None = None
+    heartbeat_interval_s: float | None = None
+    admitted_by_gateway: dict[str, int] = {}
+    # Appended (a reader older than it ignores the key; a message older than it decodes as None): the
+    # engine's own last-30-days figure (NInfer /usage ``energy.rolling_30d.wh``), None where not reported.
+    energy_30d_wh: float | None = None
+    # Appended: how many tokens the KV cache holds (blocks x block size), so a gateway can bound what its
+    # cache-affinity table credits the engine with holding (docs/routing.md §4); None where unknown.
+    kv_capacity_tokens: int | None = None
+
+
+class EnergyReading(_Msg):
+    """One device's raw cumulative counter at sample time. ``energy_mj`` None = unavailable."""
+
+    device_id: str
+    kind: Literal["nvml", "rapl", "engine", "estimate", "none"] = "none"
+    method: EnergyMethod = "unavailable"
+    energy_mj: int | None = None
+    max_range_mj: int | None = None
+    power_mw: int | None = None
+    # Appended: the counter in its native unit where that is finer than mJ (RAPL's energy_uj and
+    # max_energy_range_uj). A sender that has them still fills energy_mj/max_range_mj (= uj // 1000) for
+    # older readers; a reader takes the µJ delta when both readings of an interval carry energy_uj.
+    energy_uj: int | None = None
+    max_range_uj: int | None = None

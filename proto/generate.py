@@ -1,0 +1,145 @@
+"""The gateway ↔ engine link: GenerateRequest out, TokenChunk back (usage, timings, logprobs, errors), Cancel.
+
+Conventions (see docs/architecture.md):
+- every message that a process emits repeatedly carries its origin id (``worker_id`` or
+  ``gateway_id``), a process ``session_id`` (new at every start) and a monotonic ``seq`` so consumers
+  can drop duplicates and see gaps;
+- timestamps are UTC, float seconds since the Unix epoch (``*_s``); durations are ``*_ms``;
+- a value the producer could not measure is ``None`` ("unavailable"), never a made-up 0.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Base: frozen, keyword-only, defaults left off the wire, unknown fields ignored on decode."""
+
+
+class ChatMessage(_Msg):
+    role: str
+    content: str = ""
+    name: str | None = None
+
+
+class GenerateRequest(_Msg):
+    """gateway → engine on ``llm.v1.gen.<worker_id>``; replies stream to the message's reply inbox.
+
+    Exactly one of ``messages`` (chat) and ``prompt`` (completion) is set. ``max_tokens`` None means
+    "up to the context limit". ``deadline_s`` is the absolute UTC time after which the gateway has
+    given up; the engine may abort work past it.
+    """
+
+    request_id: str
+    model: str
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    gateway_id: str = ""
+    api_key_id: str | None = None
+    deadline_s: float | None = None
+    protocol: int = PROTOCOL_VERSION
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+
+
+class Usage(_Msg):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(_Msg):
+    """llama.cpp-style timings on the final chunk (milliseconds)."""
+
+    prompt_n: int = 0
+    cache_n: int = 0
+    predicted_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_ms: float = 0.0
+    queue_ms: float = 0.0
+    ttft_ms: float | None = None
+    # Speculative decoding (llama.cpp's names): draft tokens proposed for this request, and how many of
+    # them the target model accepted. 0 when the engine does not speculate.
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+
+
+class ErrorInfo(_Msg):
+    """The OpenAI error fields, carried on the bus so the gateway can answer with the right status."""
+
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+    param: str | None = None
+    status: int = 500
+    retry_after_s: float | None = None
+
+
+class TopLogprob(_Msg):
+    """One of a position's most likely tokens: its text, log-probability and UTF-8 bytes (a byte-level
+    token may be part of a character, so its text alone can be lossy)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] = []
+
+
+class TokenLogprob(_Msg):
+    """The chosen token at one output position, with the position's most likely tokens, best first."""
+
+    token: str
+    logprob: float
+    bytes: list[int] = []
+    top_logprobs: list[TopLogprob] = []
+
+
+class TokenChunk(_Msg):
+    """engine → gateway on the request's reply inbox, in order (``index`` counts from 0).
+
+    The final chunk has ``finish_reason`` set and carries ``usage`` and ``timings``; an error ends the
+    stream with ``error`` set (and ``finish_reason="error"``).
+    """
+
+    request_id: str
+    index: int
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: ErrorInfo | None = None
+    worker_id: str = ""
+    # One per entry of ``token_ids`` when the request asked for logprobs (GenerateRequest.logprobs).
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class Cancel(_Msg):
+    """gateway → engine on ``llm.v1.cancel.<worker_id>``: stop generating ``request_id`` (the client left)."""
+
+    request_id: str
