@@ -2,9 +2,9 @@
 
 These payloads are JSON (not msgpack) because people read them: ``nats req llm.v1.accounting.sql``, the
 ``llmgw sql`` client, the stored ``llm_identity`` bucket rows. Encode with :func:`proto.codec.encode_json`,
-decode with :func:`proto.codec.decode_json`. Replies that are messages (``_Msg``) leave their
+decode with :func:`proto.codec.decode_json`. Replies that are messages (``Message``) leave their
 unset fields off the wire (``{"ok": false}``); the costs report and identity rows are
-documents (``_Doc``) and write every field, nulls included.
+documents (``Document``) and write every field, nulls included.
 """
 
 from __future__ import annotations
@@ -13,26 +13,18 @@ from typing import Any
 
 import msgspec
 
-
-class _Msg(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Base: frozen, keyword-only, defaults left off the wire, unknown fields ignored on decode."""
-
-
-class _Doc(msgspec.Struct, frozen=True, kw_only=True):
-    """Base of the documents people and pages read (the costs report, identity rows): every field is written,
-    a null included, so a reader sees "unknown" rather than a missing key; unknown fields ignored on decode."""
-
+from proto.base import Document, Message
 
 # ---- llm.v1.auth.check: any service → the gateways ------------------------------------------------------
 
 
-class AuthCheck(_Msg):
+class AuthCheck(Message, frozen=True):
     """Is the API key with this SHA-256 (hex) valid, and whose? Only the digest crosses the bus."""
 
     key_sha256: str
 
 
-class AuthReply(_Msg):
+class AuthReply(Message, frozen=True):
     """``ok`` False: unknown, expired or revoked (the other fields unset). ``role`` is "admin" or "user"."""
 
     ok: bool
@@ -44,7 +36,7 @@ class AuthReply(_Msg):
 # ---- llm.v1.config.changed: a gateway → the gateways, telemetry, accounting -----------------------------
 
 
-class ConfigChanged(_Msg):
+class ConfigChanged(Message, frozen=True):
     """A gateway saved its pools file: ``config`` is the file form, as saved (each reader validates it)."""
 
     gateway_id: str
@@ -54,14 +46,14 @@ class ConfigChanged(_Msg):
 # ---- llm.v1.accounting.sql: llmgw sql, tests → accounting --------------------------------------------
 
 
-class SqlQuery(_Msg):
+class SqlQuery(Message, frozen=True):
     """One read-only operator query, or (``export_parquet``) a Parquet export of the ledger."""
 
     sql: str | None = None
     export_parquet: bool = False
 
 
-class SqlReply(_Msg):
+class SqlReply(Message, frozen=True):
     """Exactly one of: ``columns`` and ``rows`` (JSON values, as ``store.jsonable`` writes them), ``files``
     (the Parquet export), ``error`` (why the query was refused or failed)."""
 
@@ -74,13 +66,13 @@ class SqlReply(_Msg):
 # ---- llm.v1.accounting.costs: the gateway's admin pages → accounting ----------------------------------
 
 
-class CostsQuery(_Msg):
+class CostsQuery(Message, frozen=True):
     """The window: ``days`` UTC days ending today (1..366, checked by accounting)."""
 
     days: int = 30
 
 
-class ErrorDetail(_Doc):
+class ErrorDetail(Document, frozen=True):
     """The OpenAI error fields (services/common/http.py error_body)."""
 
     message: str
@@ -89,13 +81,13 @@ class ErrorDetail(_Doc):
     code: str | None = None
 
 
-class ErrorReply(_Doc):
+class ErrorReply(Document, frozen=True):
     """A request/reply subject's refusal, shaped as the OpenAI error body ``{"error": {...}}``."""
 
     error: ErrorDetail
 
 
-class CostFigures(_Doc):
+class CostFigures(Document, frozen=True):
     """One group's figures (docs/accounting.md, "Costs API"). None is unknown, never 0: ``kwh`` is measured
     energy only, ``estimated_kwh`` is never added into it; ``coverage_pct`` None when nothing could be covered."""
 
@@ -112,28 +104,28 @@ class CostFigures(_Doc):
     coverage_pct: float | None = None
 
 
-class DayCosts(CostFigures, kw_only=True):
+class DayCosts(CostFigures, frozen=True, kw_only=True):
     day: str  # UTC "YYYY-MM-DD"
 
 
-class WindowCosts(CostFigures, kw_only=True):
+class WindowCosts(CostFigures, frozen=True, kw_only=True):
     from_day: str = msgspec.field(name="from")  # UTC "YYYY-MM-DD", the window's first day
     to_day: str = msgspec.field(name="to")  # its last day (today)
 
 
-class ModelCosts(CostFigures, kw_only=True):
+class ModelCosts(CostFigures, frozen=True, kw_only=True):
     model: str | None
 
 
-class MemberCosts(CostFigures, kw_only=True):
+class MemberCosts(CostFigures, frozen=True, kw_only=True):
     member: str | None  # the worker id
 
 
-class KeyCosts(CostFigures, kw_only=True):
+class KeyCosts(CostFigures, frozen=True, kw_only=True):
     api_key_id: str | None  # None: requests without a key (trusted network)
 
 
-class CostsReport(_Doc):
+class CostsReport(Document, frozen=True):
     """The costs document (services/accounting/costs.py builds it; services/gateway/charts.py reads it).
 
     Groups are ordered largest energy cost first, then most output tokens.
@@ -155,7 +147,7 @@ class CostsReport(_Doc):
 # Field names are the SQLite columns (services/gateway/identity.py REPLICATED), primary key first.
 
 
-class UserRow(_Doc):
+class UserRow(Document, frozen=True):
     user_id: str
     name: str
     role: str  # "admin" | "user" (checked by IdentityStore.apply_replica)
@@ -164,7 +156,7 @@ class UserRow(_Doc):
     updated_s: float
 
 
-class ApiKeyRow(_Doc):
+class ApiKeyRow(Document, frozen=True):
     key_id: str
     user_id: str
     name: str
@@ -178,7 +170,7 @@ class ApiKeyRow(_Doc):
     updated_s: float
 
 
-class LimitsRow(_Doc):
+class LimitsRow(Document, frozen=True):
     principal: str
     tokens_per_day: int | None
     requests_per_minute: int | None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-import msgspec
+from proto.base import Message
 
 EngineKind = Literal["native", "ninfer", "vllm", "llamacpp", "sglang", "stock"]
 WorkerState = Literal["ready", "draining", "stopped", "down"]
@@ -12,11 +12,8 @@ WorkerState = Literal["ready", "draining", "stopped", "down"]
 EnergyMethod = Literal["counter", "power_integration", "estimated", "engine_reported", "unavailable"]
 
 
-class _Msg(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Base: frozen, keyword-only, defaults left off the wire, unknown fields ignored on decode."""
 
-
-class SlotHeartbeat(_Msg):
+class SlotHeartbeat(Message, frozen=True):
     """engine or telemetry → gateways on ``llm.v1.hb.<worker_id>`` and the ``llm_workers`` KV bucket.
 
     ``admitted_by_gateway`` counts, per gateway id, the requests the engine has accepted since
@@ -59,7 +56,7 @@ class SlotHeartbeat(_Msg):
     kv_capacity_tokens: int | None = None
 
 
-class EnergyReading(_Msg):
+class EnergyReading(Message, frozen=True):
     """One device's raw cumulative counter at sample time. ``energy_mj`` None = unavailable."""
 
     device_id: str

@@ -12,24 +12,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-import msgspec
+from proto.base import Message
 
 PROTOCOL_VERSION = 1
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-class _Msg(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Base: frozen, keyword-only, defaults left off the wire, unknown fields ignored on decode."""
 
-
-class ChatMessage(_Msg):
+class ChatMessage(Message, frozen=True):
     role: str
     content: str = ""
     name: str | None = None
 
 
-class GenerateRequest(_Msg):
+class GenerateRequest(Message, frozen=True):
     """gateway → engine on ``llm.v1.gen.<worker_id>``; replies stream to the message's reply inbox.
 
     Exactly one of ``messages`` (chat) and ``prompt`` (completion) is set. ``max_tokens`` None means
@@ -60,7 +57,7 @@ class GenerateRequest(_Msg):
     min_tokens: int = 0
 
 
-class Usage(_Msg):
+class Usage(Message, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
@@ -70,7 +67,7 @@ class Usage(_Msg):
         return self.prompt_tokens + self.completion_tokens
 
 
-class Timings(_Msg):
+class Timings(Message, frozen=True):
     """llama.cpp-style timings on the final chunk (milliseconds)."""
 
     prompt_n: int = 0
@@ -86,7 +83,7 @@ class Timings(_Msg):
     draft_n_accepted: int = 0
 
 
-class ErrorInfo(_Msg):
+class ErrorInfo(Message, frozen=True):
     """The OpenAI error fields, carried on the bus so the gateway can answer with the right status."""
 
     message: str
@@ -97,7 +94,7 @@ class ErrorInfo(_Msg):
     retry_after_s: float | None = None
 
 
-class TopLogprob(_Msg):
+class TopLogprob(Message, frozen=True):
     """One of a position's most likely tokens: its text, log-probability and UTF-8 bytes (a byte-level
     token may be part of a character, so its text alone can be lossy)."""
 
@@ -106,7 +103,7 @@ class TopLogprob(_Msg):
     bytes: list[int] = []
 
 
-class TokenLogprob(_Msg):
+class TokenLogprob(Message, frozen=True):
     """The chosen token at one output position, with the position's most likely tokens, best first."""
 
     token: str
@@ -115,7 +112,7 @@ class TokenLogprob(_Msg):
     top_logprobs: list[TopLogprob] = []
 
 
-class TokenChunk(_Msg):
+class TokenChunk(Message, frozen=True):
     """engine → gateway on the request's reply inbox, in order (``index`` counts from 0).
 
     The final chunk has ``finish_reason`` set and carries ``usage`` and ``timings``; an error ends the
@@ -139,7 +136,7 @@ class TokenChunk(_Msg):
         return self.finish_reason is not None or self.error is not None
 
 
-class Cancel(_Msg):
+class Cancel(Message, frozen=True):
     """gateway → engine on ``llm.v1.cancel.<worker_id>``: stop generating ``request_id`` (the client left)."""
 
     request_id: str

@@ -4,22 +4,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-import msgspec
-
+from proto.base import Message
 from proto.fleet import EnergyReading
 
 
-class _Msg(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Base: frozen, keyword-only, defaults left off the wire, unknown fields ignored on decode."""
-
-
-class RequestTokens(_Msg):
+class RequestTokens(Message, frozen=True):
     request_id: str
     prompt_tokens: int = 0
     output_tokens: int = 0
 
 
-class EnergySample(_Msg):
+class EnergySample(Message, frozen=True):
     """engine/telemetry → accounting on ``llm.v1.energy.<worker_id>`` (stream ``ENERGY``)."""
 
     worker_id: str
@@ -31,7 +26,7 @@ class EnergySample(_Msg):
     request_tokens: list[RequestTokens] = []
 
 
-class UsageRecord(_Msg):
+class UsageRecord(Message, frozen=True):
     """gateway → accounting on ``llm.v1.usage.<gateway_id>`` (stream ``USAGE``), one per request."""
 
     gateway_id: str
@@ -68,7 +63,7 @@ class UsageRecord(_Msg):
     user_id: str | None = None
 
 
-class LimitCounters(_Msg):
+class LimitCounters(Message, frozen=True):
     """gateway → gateways on ``llm.v1.quota.<gateway_id>``: what this gateway has counted against each
     limit in the current windows (settled usage plus open reservations), so a limit holds across replicas.
 
@@ -83,13 +78,13 @@ class LimitCounters(_Msg):
     counters: dict[str, float] = {}
 
 
-class KeyEnergyQuery(_Msg):
+class KeyEnergyQuery(Message, frozen=True):
     """gateway → accounting (request/reply on ``llm.v1.accounting.key_energy``): month-to-date energy."""
 
     month: str  # "YYYY-MM", UTC
 
 
-class KeyEnergyReply(_Msg):
+class KeyEnergyReply(Message, frozen=True):
     """The joules attributed to each API key's requests in ``month`` (measured intervals only; idle energy
     belongs to no key). ``as_of_s``: the newest interval end the figure covers."""
 
