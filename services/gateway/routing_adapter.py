@@ -17,7 +17,7 @@ from typing import Any
 
 from proto import SlotHeartbeat
 from services.common import openai_api
-from services.common.load_score import stale_limit_s
+from services.gateway.load_score import stale_limit_s
 from services.common.pool_config import MetricsConfig, PoolConfig
 from services.common.runtime import atomic_write_text
 from services.gateway import routing

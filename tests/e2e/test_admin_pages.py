@@ -32,7 +32,7 @@ from services.accounting.service import AccountingConfig, AccountingService
 from services.common import pool_config
 from services.common.bus import connect, ensure_bus
 from services.common.http import serving
-from services.common.load_score import stale_limit_s
+from services.gateway.load_score import stale_limit_s
 from services.common.nats_server import EmbeddedNatsServer
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine_core import EngineConfig, EngineCore
