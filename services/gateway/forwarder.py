@@ -99,9 +99,7 @@ class Forwarder:
     async def forward(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
                       resolved: pools.ResolvedPool, request_id: str, api_key_id: str | None,
                       outcome: Outcome) -> web.StreamResponse:
-        session_key, is_header = self.session_key(request, api_key_id)
-        decision = self.router.decide(resolved, parsed, session_key, is_header, self.fleet, time.time(),
-                                      self.weights(), self.rng)
+        decision = self.decide(request, parsed, resolved, api_key_id)
         self.metrics.decisions[decision.reason] += 1
         if decision.reason == "no_member_fits_context":
             raise HTTPError(400, f"the prompt is longer than any member of '{parsed.model}' accepts",
@@ -260,6 +258,13 @@ class Forwarder:
             self._on_error(outcome)(result.error)
         return response
 
+
+    def decide(self, request: web.Request, parsed: openai_api.ParsedRequest, resolved: pools.ResolvedPool,
+               api_key_id: str | None) -> routing_adapter.Decision:
+        """The router's ranking of the pool's members for this request (also what the explainer shows)."""
+        session_key, is_header = self.session_key(request, api_key_id)
+        return self.router.decide(resolved, parsed, session_key, is_header, self.fleet, time.time(),
+                                  self.weights(), self.rng)
 
     def weights(self) -> routing.RoutingWeights:
         return routing_adapter.weights_for(self.pools_file.file_config.metrics, self.pools_file.stale_after_s)

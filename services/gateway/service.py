@@ -322,9 +322,7 @@ class GatewayService:
         body = await read_json_object(request)
         parsed = self.forwarder.parse(body, "chat.completions" if "messages" in body else "completions")
         resolved = self.forwarder.resolve(parsed.model)
-        session_key, is_header = self.forwarder.session_key(request, None)
-        decision = self.router.decide(resolved, parsed, session_key, is_header, self.fleet, time.time(),
-                                      self.forwarder.weights(), self.rng)
+        decision = self.forwarder.decide(request, parsed, resolved, None)
         return web.json_response(decision.explain())
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
