@@ -74,7 +74,7 @@ async def replicas(nats_server: EmbeddedNatsServer, model: Path, tmp_path: Path,
             urls.append(await es.enter_async_context(serving(g.app(), "127.0.0.1", 0)))
             gateways.append(g)
         for g in gateways:
-            await wait_for(lambda g=g: "tiny" in pools.model_names(g.file_config, g.fleet))
+            await wait_for(lambda g=g: "tiny" in pools.model_names(g.pools_file.file_config, g.fleet))
         yield Replicas(urls, gateways, accounting, test_nc)
 
 
