@@ -6,5 +6,7 @@ engine's TokenChunks back as OpenAI responses or SSE, and publishes one UsageRec
 the ``USAGE`` stream.
 
 Errors: handlers raise :class:`services.common.http.HTTPError`; the error middleware writes the one
-OpenAI error body. :class:`openai_api.InvalidRequest` is a 400 with the offending ``param``.
+OpenAI error body. :class:`openai_api.InvalidRequest` is a 400 with the offending ``param``. A member
+that did not take a request raises a :class:`services.gateway.errors.MemberFailure` (the tree is drawn in
+:mod:`services.gateway.errors`); the failover loop catches the base class and tries the next member.
 """

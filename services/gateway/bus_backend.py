@@ -14,19 +14,9 @@ from proto import Cancel, GenerateRequest, ProtoDecodeError, TokenChunk, decode,
 from services.common.http import HTTPError
 from services.common.openai_stream import chunk_error
 from services.common.runtime import raise_if_cancelling
+from services.gateway.errors import WorkerUnavailable
 
 LIVENESS_POLL_S = 0.25  # how often a wait for the next chunk checks that the worker still lives
-
-
-class WorkerUnavailable(Exception):
-    """The worker did not accept the request (no responder, silence, or an error before any token)."""
-
-    def __init__(self, worker_id: str, reason: str, error: HTTPError | None = None, is_bus_down: bool = False) -> None:
-        super().__init__(f"{worker_id}: {reason}")
-        self.worker_id = worker_id
-        self.reason = reason
-        self.error = error
-        self.is_bus_down = is_bus_down  # our own connection is down: not the worker's fault
 
 
 class BusStream:

@@ -1,13 +1,24 @@
 """The gateway's view of every member: newest heartbeat (bus workers and telemetry-published HTTP
 members alike), its own bookings, recent failures, and a short load history for /backends sparklines.
+
+:class:`HeartbeatIntake` feeds it: the ``llm_workers`` KV bucket at start, then every heartbeat on the bus.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from proto import SlotHeartbeat
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from proto import ProtoDecodeError, SlotHeartbeat, decode, subjects
+
+log = logging.getLogger(__name__)
 
 BUS_BACKEND = "nats"
 DOWN_AFTER_FAILURE_S = 5.0  # a member that failed a request is skipped this long (then tried again)
@@ -100,3 +111,46 @@ class Fleet:
 
     def is_down(self, member_id: str, now_s: float) -> bool:
         return self.record(member_id).down_until_s > now_s
+
+
+class HeartbeatIntake:
+    """Heartbeats into the fleet: the KV bucket's last one per worker at start, then the bus subscription.
+
+    ``load_of(kind, heartbeat, previous)`` is the router's load score (None: no signal), kept per member
+    for the /backends sparklines.
+    """
+
+    def __init__(self, nc: Client, fleet: Fleet,
+                 load_of: Callable[[str, SlotHeartbeat, SlotHeartbeat | None], float | None]) -> None:
+        self.nc = nc
+        self.fleet = fleet
+        self.load_of = load_of
+
+    async def load_known_workers(self) -> None:
+        """A new gateway knows the fleet at once from the KV bucket's last heartbeat per worker."""
+        try:
+            kv = await self.nc.jetstream().key_value(subjects.KV_WORKERS)
+            keys = await kv.keys()
+        except Exception as exc:  # empty bucket raises NoKeysError; a missing one NotFound
+            log.debug("no known workers in KV: %s", exc)
+            return
+        now = time.time()
+        for key in keys:
+            with contextlib.suppress(Exception):
+                entry = await kv.get(key)
+                if entry.value:
+                    hb = decode(entry.value, SlotHeartbeat)
+                    self.fleet.observe(hb, min(now, hb.ts_s))  # as old as the engine says it is
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb = decode(msg.data, SlotHeartbeat)
+        except ProtoDecodeError as exc:
+            log.warning("dropped heartbeat on %s: %s", msg.subject, exc.reason)
+            return
+        now = time.time()
+        if self.fleet.observe(hb, now):
+            rec = self.fleet.members[hb.worker_id]
+            load = self.load_of(hb.engine_kind, hb, rec.previous)
+            if load is not None:
+                rec.load_history.append(round(load, 3))

@@ -26,6 +26,7 @@ from proto import Usage
 from proto.pools import MemberConfig
 from services.common.http import HTTPError, error_body
 from services.common.runtime import raise_if_cancelling
+from services.gateway.errors import MemberUnavailable
 from services.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse, UpstreamTimeout
 from services.gateway.usage_meter import UsageMeter
 
@@ -35,21 +36,6 @@ _MAX_TOKENS = 2**31 - 1
 _RETRYABLE = frozenset({408, 500, 502, 503, 504})
 ENDPOINT_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions",
                   "embeddings": "/v1/embeddings"}
-
-
-class MemberUnavailable(Exception):
-    """The member did not take the request (nothing reached the client): try the next one.
-
-    ``error`` is set when the member refused for load (429): the client gets it if no member accepts.
-    """
-
-    def __init__(self, member_id: str, reason: str, status: int | None = None, error: HTTPError | None = None
-                 ) -> None:
-        super().__init__(f"{member_id}: {reason}")
-        self.member_id = member_id
-        self.reason = reason
-        self.status = status
-        self.error = error
 
 
 @dataclass

@@ -13,17 +13,18 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jinja2
 import msgspec
 from aiohttp import web
 from markupsafe import Markup
+from nats.aio.client import Client
 
 from proto import CostsQuery, CostsReport, ErrorReply, ProtoDecodeError, decode_json, encode_json, subjects
 from services.common.http import HTTPError, read_form, read_json_object
 from services.gateway import charts, config_form, limits_form
-from services.gateway.auth import LOGIN_CSRF_COOKIE, SESSION_COOKIE
+from services.gateway.auth import LOGIN_CSRF_COOKIE, SESSION_COOKIE, Auth
 from services.gateway.identity import (
     ApiKey,
     IdentityError,
@@ -38,9 +39,7 @@ from services.gateway.identity import (
     verify_password,
 )
 from services.gateway.limits import KINDS, key_principal, user_principal
-
-if TYPE_CHECKING:
-    from services.gateway.service import GatewayService
+from services.gateway.pools_file import PoolsFile
 
 _HERE = Path(__file__).parent
 STYLE = (_HERE / "static" / "style.css").read_bytes()
@@ -76,9 +75,17 @@ def _safe_next(value: object, fallback: str) -> str:
 
 
 class Pages:
-    def __init__(self, gateway: GatewayService) -> None:
-        self.gw = gateway
-        self.auth = gateway.auth
+    """The admin pages' handlers. ``backends_view`` gives the /backends rows; ``nc`` asks accounting for the
+    costs; the Config page reads and saves ``pools_file``."""
+
+    def __init__(self, auth: Auth, nc: Client, pools_file: PoolsFile, backends_view: Callable[[], list[dict[str, Any]]],
+                 gateway_id: str, key_energy_poll_s: float) -> None:
+        self.auth = auth
+        self.nc = nc
+        self.pools_file = pools_file
+        self.backends_view = backends_view
+        self.gateway_id = gateway_id
+        self.key_energy_poll_s = key_energy_poll_s
         self.env = _env()
         self._dummy_password_hash: str | None = None  # verified against for unknown user names (timing)
 
@@ -198,31 +205,31 @@ class Pages:
         if _wants_html(request):
             session = self.auth.page_user(request, now, admin=True)
             if request.query.get("rows") == "1":  # the page's live refresh: the table body only
-                return self.render("backend_rows.html", members=self.gw.backends_view())
+                return self.render("backend_rows.html", members=self.backends_view())
             return self.render("backends.html", title="Backends", page="backends", session=session,
-                               members=self.gw.backends_view())
+                               members=self.backends_view())
         self.auth.api_user(request, now, admin=True)
-        return web.json_response({"gateway_id": self.gw.config.gateway_id, "members": self.gw.backends_view()})
+        return web.json_response({"gateway_id": self.gateway_id, "members": self.backends_view()})
 
     # ---- Config -----------------------------------------------------------------------------------
 
     def _config_view(self, session: Session, raw: dict[str, Any], errors: dict[str, str], saved: bool,
                      status: int = 200) -> web.Response:
         return self.render("config.html", status, title="Config", page="config", session=session,
-                           errors=errors, saved=saved, path=str(self.gw.config_path),
+                           errors=errors, saved=saved, path=str(self.pools_file.config_path),
                            **config_form.view_model(raw))
 
     async def config_page(self, request: web.Request) -> web.Response:
         session = self.auth.page_user(request, time.time(), admin=True)
-        return self._config_view(session, self.gw.config_dict(), {}, saved=request.query.get("saved") == "1")
+        return self._config_view(session, self.pools_file.config_dict(), {}, saved=request.query.get("saved") == "1")
 
     async def config_save(self, request: web.Request) -> web.Response:
         session = self.auth.page_user(request, time.time(), admin=True)
         form = await self._form(request, session)
-        result = config_form.from_form(form, self.gw.config_dict())
+        result = config_form.from_form(form, self.pools_file.config_dict())
         errors = dict(result.errors)
         if not errors:
-            problem = await self.gw.apply_config(result.raw)
+            problem = await self.pools_file.apply_config(result.raw)
             if problem is not None:
                 errors[result.field_for(problem.key)] = problem.reason
         if errors:
@@ -233,8 +240,8 @@ class Pages:
 
     async def _costs(self, timeout_s: float = COSTS_TIMEOUT_S) -> CostsReport:
         try:
-            msg = await self.gw.nc.request(subjects.ACCOUNTING_COSTS, encode_json(CostsQuery(days=30)),
-                                           timeout=timeout_s)
+            msg = await self.nc.request(subjects.ACCOUNTING_COSTS, encode_json(CostsQuery(days=30)),
+                                      timeout=timeout_s)
         except Exception as exc:
             raise HTTPError(503, f"the accounting service did not answer ({type(exc).__name__}); is it running?",
                             code="accounting_unavailable", retry_after_s=5) from None
@@ -353,8 +360,8 @@ class Pages:
                            keys=key_rows, labels=list(limits_form.LABELS.values()), saved=saved_what,
                            refused=bool(errors),
                            energy_age=None if energy_age_s is None else limits_form.age_text(energy_age_s),
-                           reserve_output_tokens=self.gw.file_config.limits.reserve_output_tokens,
-                           energy_poll_s=self.gw.config.key_energy_poll_s)
+                           reserve_output_tokens=self.pools_file.file_config.limits.reserve_output_tokens,
+                           energy_poll_s=self.key_energy_poll_s)
 
     def _limits_form_saved(self, session: Session, form: dict[str, str], row_id: str,
                            save: Callable[[dict[str, int | float | None]], object]) -> web.Response:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proto import SlotHeartbeat
-from services.common.load_score import RoutingWeights, load_score, stale_limit_s
 from services.gateway.affinity import AffinityHit, AffinityTable, PinTable, PrefixKey, prefix_hashes
+from services.gateway.load_score import RoutingWeights, load_score, stale_limit_s
 
 __all__ = [
     "AffinityHit", "AffinityTable", "Candidate", "MemberState", "Pick", "PinTable", "PoolPolicy", "PrefixKey",

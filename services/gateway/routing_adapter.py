@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from proto import SlotHeartbeat
-from proto.pools import MetricsConfig, PoolConfig
+from proto.pools import GatewayFileConfig, MetricsConfig, PoolConfig
 from services.common import openai_api
-from services.common.load_score import stale_limit_s
 from services.common.runtime import atomic_write_text
-from services.gateway import routing
+from services.gateway import pools, routing
 from services.gateway.affinity import AffinityTable, PinTable, prefix_hashes
 from services.gateway.fleet import Fleet
+from services.gateway.load_score import stale_limit_s
 from services.gateway.pools import MemberRef, ResolvedPool
 
 log = logging.getLogger(__name__)
@@ -182,3 +182,18 @@ class Router:
             "cache_hit_pct": (100.0 * (hb.prompt_tokens_hit_total or 0) / queried) if hb and queried else None,
             "capacity_weight": ref.capacity_weight, "down": fleet.is_down(ref.member_id, now_s),
         }
+
+
+def backends_view(file_config: GatewayFileConfig, fleet: Fleet, router: Router, now_s: float,
+                  stale_after_s: float) -> list[dict[str, Any]]:
+    """One row per member of every pool, configured pools first (``/backends``, ``/metrics``)."""
+    rows = []
+    names = list(file_config.pools) + [n for n in pools.model_names(file_config, fleet)
+                                       if n not in file_config.pools]
+    for name in names:
+        resolved = pools.resolve(name, file_config, fleet)
+        if resolved is None or resolved.pool.name != name:
+            continue
+        for ref in resolved.members:
+            rows.append(router.describe_member(resolved, ref, fleet, now_s, stale_after_s))
+    return rows

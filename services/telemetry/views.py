@@ -1,8 +1,8 @@
 """Pure: telemetry's own ``/metrics`` and ``/members`` bodies from each member's status; the clock is passed in.
 
-The load score is the gateway's own pure ``routing.load_score`` with default weights and no bookings,
-so a dashboard reading telemetry shows the number the router would compute from the same heartbeat
-(None for no-signal kinds: then the gauge is absent, never 0).
+The load score is the shared pure ``heartbeat_load`` (the formula the gateway's router weighs) with
+default weights and no bookings, so a dashboard reading telemetry shows the number the router would
+compute from the same heartbeat (None for no-signal kinds: then the gauge is absent, never 0).
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from proto import SlotHeartbeat
-from services.common.load_score import RoutingWeights, load_score
+from services.common.heartbeat_load import heartbeat_load
 from services.common.prom import PromText
-
-_WEIGHTS = RoutingWeights()
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class MemberStatus:
         hb = self.heartbeat
         if hb is None or hb.state != "ready":
             return None
-        return load_score(hb.engine_kind, hb, self.previous, 0, _WEIGHTS)
+        return heartbeat_load(hb.engine_kind, hb, self.previous)
 
 
 def metrics_text(members: Iterable[MemberStatus], now_s: float) -> str:

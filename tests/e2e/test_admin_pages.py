@@ -32,12 +32,12 @@ from proto import pools as pool_config
 from services.accounting.service import AccountingConfig, AccountingService
 from services.common.bus import connect, ensure_bus
 from services.common.http import serving
-from services.common.load_score import stale_limit_s
 from services.common.nats_server import EmbeddedNatsServer
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.worker import BusWorker, WorkerConfig
 from services.gateway.identity import hash_password
+from services.gateway.load_score import stale_limit_s
 from services.gateway.service import GatewayConfig, GatewayService
 from tests.e2e.procs import REPO, Followed
 from tests.integration.conftest import wait_for
@@ -282,7 +282,7 @@ async def test_backends_rows_refresh_live_and_a_silent_member_turns_stale(site: 
     await asyncio.gather(site.workers["w2"], return_exceptions=True)
     # stale once its last heartbeat is older than two of its 0.2 s intervals plus slack (docs/routing.md);
     # the page shows it at its next refresh (every 2 s)
-    limit_s = stale_limit_s(site.gateway.fleet.record("w2").heartbeat, site.gateway.stale_after_s)
+    limit_s = stale_limit_s(site.gateway.fleet.record("w2").heartbeat, site.gateway.pools_file.stale_after_s)
     await page.wait_for_selector("tr[data-member=w2] .stale", timeout=(limit_s + 2 + 3) * 1000)  # type: ignore[attr-defined]
     assert await page.evaluate("window.notReloaded === true")  # type: ignore[attr-defined]  # rows swapped in place
     age_s = float((await w2.locator("td.num").nth(4).text_content()).removesuffix(" s").replace(",", ""))

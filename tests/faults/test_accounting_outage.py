@@ -57,7 +57,7 @@ async def test_accounting_down_for_two_minutes_under_traffic_ingests_every_recor
             n = len(results)
             assert all(r.status == 200 and r.request_id for r in results)  # accounting is not on the request path
             assert len(during) > 0, "requests were sent while accounting was down"
-            await wait_until(lambda: g.gateway.usage_published >= n, 20, what="usage published")
+            await wait_until(lambda: g.gateway.usage.usage_published >= n, 20, what="usage published")
             num_energy = await stream_count(nats_server.url, subjects.STREAM_ENERGY)
             num_usage = await stream_count(nats_server.url, subjects.STREAM_USAGE)
             assert num_usage == n  # the gateway sent one record per request

@@ -59,7 +59,7 @@ async def main(path, nats_url):
     for v in range(1, 10**9):
         raw = {"model_pools": {f"p{i}": {"members": [{"model_id": "m", "backend": f"http://h{i}:{v}"}]}
                                for i in range(50)}, "gateway": {"max_concurrent_per_key": v % 1000 + 1}}
-        problem = await gateway.apply_config(raw)
+        problem = await gateway.pools_file.apply_config(raw)
         assert problem is None, problem
         print(v, flush=True)
 

@@ -89,7 +89,7 @@ async def test_a_nats_restart_costs_fast_503s_only_and_loses_no_usage_record(lon
                 assert recovered_s < 10.0
                 # every request made one usage record, and every one reached the stream exactly once
                 total = len(sent) + 1
-                await wait_until(lambda: gw.usage_published >= total and not gw.spool.has_pending(), 30,
+                await wait_until(lambda: gw.usage.usage_published >= total and not gw.spool.has_pending(), 30,
                                  what="usage delivered")
                 records = await read_usage(server.url)
                 assert len(records) == total and len({r.request_id for r in records}) == total

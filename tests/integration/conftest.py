@@ -83,7 +83,7 @@ async def stack(nats_server: EmbeddedNatsServer, tiny_model: Path, tmp_path: Pat
         gateway = GatewayService(gw_nc, GatewayConfig(gateway_id="gw1", port=0, data_dir=tmp_path))
         await es.enter_async_context(gateway.running())
         base_url = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
-        await wait_for(lambda: "tiny" in pools.model_names(gateway.file_config, gateway.fleet))
+        await wait_for(lambda: "tiny" in pools.model_names(gateway.pools_file.file_config, gateway.fleet))
         assert gateway.bootstrap is not None
         accounting, worker = parts.accounting, parts.worker
         yield Stack(base_url, gateway, accounting, worker, nats_server.url, gateway.bootstrap[1])

@@ -209,11 +209,11 @@ async def test_a_saved_config_is_applied_here_and_by_every_other_gateway(stack: 
                     "electricity_rate_usd_per_kwh": "0.2"}
             async with http.post(stack.base_url + "/admin/config/page", data=form) as r:
                 assert r.status == 200 and "Saved to" in await r.text()
-            assert "chat" in stack.gateway.file_config.pools
-            saved = stack.gateway.config_path.read_text()
+            assert "chat" in stack.gateway.pools_file.file_config.pools
+            saved = stack.gateway.pools_file.config_path.read_text()
             assert '"chat"' in saved and '"electricity_rate_usd_per_kwh": 0.2' in saved
-            await wait_for(lambda: "chat" in replica.file_config.pools)
-            assert replica.config_path.read_text() == saved
+            await wait_for(lambda: "chat" in replica.pools_file.file_config.pools)
+            assert replica.pools_file.config_path.read_text() == saved
             # a bad value is refused next to its field and changes nothing
             bad = {**form, "csrf": csrf, "newpool.name": "", "pool.0.name": "chat", "pool.0.overflow_threshold": "7",
                    "pool.0.member.0.backend": "bus:w1", "pool.0.member.0.model_id": "tiny"}
@@ -221,7 +221,7 @@ async def test_a_saved_config_is_applied_here_and_by_every_other_gateway(stack: 
                 page = await r.text()
                 assert r.status == 400
                 assert 'id="err-pool.0.overflow_threshold"' in page and "must be in [0.0, 1.0]" in page
-            assert stack.gateway.config_path.read_text() == saved
+            assert stack.gateway.pools_file.config_path.read_text() == saved
             client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0)
             reply = await client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "x"}],
                                                          max_tokens=2)

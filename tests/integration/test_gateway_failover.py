@@ -160,17 +160,17 @@ async def test_usage_made_while_the_bus_is_down_is_spooled_and_delivered_later(t
     try:
         async with gateway_over(server, tmp_path, ["ok"]) as s:
             await _ask(s.api)
-            await wait_for(lambda: s.gateway.usage_published == 1)
+            await wait_for(lambda: s.gateway.usage.usage_published == 1)
             port = int(server.url.rsplit(":", 1)[1])
             await server.stop()
             await wait_for(lambda: not s.gateway.nc.is_connected)
             for _ in range(5):  # HTTP members need no bus: serving goes on
                 await _ask(s.api)
             await wait_for(lambda: s.gateway.spool.has_pending(), timeout_s=15)
-            assert s.gateway.usage_published == 1
+            assert s.gateway.usage.usage_published == 1
             server.port = port  # same address and JetStream store: the gateway reconnects by itself
             await server.start()
-            await wait_for(lambda: s.gateway.usage_published == 6 and not s.gateway.spool.has_pending(),
+            await wait_for(lambda: s.gateway.usage.usage_published == 6 and not s.gateway.spool.has_pending(),
                            timeout_s=30)
             reader = await connect(server.url, "reader")
             try:
@@ -205,7 +205,7 @@ async def test_an_http_members_stream_passes_through_minus_the_injected_usage(na
                                                      stream=True, stream_options={"include_usage": True})
         chunks = [c async for c in stream]
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
-        await wait_for(lambda: s.gateway.usage_published == 2)  # usage recorded either way
+        await wait_for(lambda: s.gateway.usage.usage_published == 2)  # usage recorded either way
 
 
 async def test_parameters_our_engines_lack_still_reach_an_http_member_as_sent(nats_server, tmp_path) -> None:  # type: ignore[no-untyped-def]

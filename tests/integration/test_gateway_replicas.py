@@ -13,7 +13,7 @@ import pytest
 from proto import AuthCheck, encode_json, subjects
 from services.common.bus import connect
 from services.common.http import HTTPError
-from services.gateway import service as gateway_service
+from services.gateway import peers as gateway_peers
 from services.gateway.identity import hash_password, key_digest
 from services.gateway.service import GatewayConfig, GatewayService
 from tests.integration.conftest import wait_for
@@ -38,7 +38,7 @@ async def auth_check(nc, key: str) -> dict:  # type: ignore[no-untyped-def]
 
 async def test_a_key_made_on_one_gateway_works_on_another_with_one_quota(  # type: ignore[no-untyped-def]
         nats_server, nc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(gateway_service, "QUOTA_SHARE_S", 0.05)
+    monkeypatch.setattr(gateway_peers, "QUOTA_SHARE_S", 0.05)
     async with gateway(nats_server.url, tmp_path / "gw1", "gw1") as gw1:
         assert gw1.bootstrap is not None  # the first gateway of the fleet creates the admin
         async with gateway(nats_server.url, tmp_path / "gw2", "gw2") as gw2:

@@ -76,19 +76,19 @@ class Pool:
     def configure(self, members: list[str] | None = None, **pool: Any) -> None:
         """Swap the gateway's pools config (as a reload would): ``members`` of pool "tiny", pool knobs."""
         backends = [self.backend(m) for m in (members or self.members)]
-        self.gateway.file_config = pool_config.parse({"model_pools": {"tiny": {
+        self.gateway.pools_file.file_config = pool_config.parse({"model_pools": {"tiny": {
             "members": [{"model_id": "tiny", "backend": b} for b in backends], **pool}}})
 
     @contextlib.contextmanager
     def only(self, member_id: str) -> Iterator[None]:
         """Route to one member for a while (the pool's other knobs as they were)."""
-        saved = self.gateway.file_config
+        saved = self.gateway.pools_file.file_config
         pool = saved.pools["tiny"]
         self.configure([member_id], overflow_threshold=pool.overflow_threshold, sticky_bias=pool.sticky_bias)
         try:
             yield
         finally:
-            self.gateway.file_config = saved
+            self.gateway.pools_file.file_config = saved
 
     def admitted(self) -> dict[str, int]:
         return {m: e.core.admitted_total for m, e in self.engines.items()}
@@ -345,7 +345,7 @@ async def test_a_worker_killed_before_the_first_byte_is_failed_over_to_another_m
             except NatsTimeout:
                 continue
     hb_age = time.time() - (pool.gateway.fleet.record("w1").received_s or 0)
-    assert hb_age < pool.gateway.stale_after_s and pool.heartbeat("w1").state == "ready"
+    assert hb_age < pool.gateway.pools_file.stale_after_s and pool.heartbeat("w1").state == "ready"
     assert (await pool.explain(_user("q"), session="sess-c"))["member"] == "w1"  # the router still picks it
 
     started = time.monotonic()

@@ -22,8 +22,8 @@ from services.accounting.service import AccountingService
 from services.common.bus import connect
 from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer
+from services.gateway import peers as gateway_peers
 from services.gateway import pools
-from services.gateway import service as gateway_service
 from services.gateway.identity import hash_password
 from services.gateway.limits import Limits, key_principal, user_principal
 from services.gateway.service import GatewayConfig, GatewayService
@@ -74,7 +74,7 @@ async def replicas(nats_server: EmbeddedNatsServer, model: Path, tmp_path: Path,
             urls.append(await es.enter_async_context(serving(g.app(), "127.0.0.1", 0)))
             gateways.append(g)
         for g in gateways:
-            await wait_for(lambda g=g: "tiny" in pools.model_names(g.file_config, g.fleet))
+            await wait_for(lambda g=g: "tiny" in pools.model_names(g.pools_file.file_config, g.fleet))
         yield Replicas(urls, gateways, accounting, test_nc)
 
 
@@ -89,7 +89,7 @@ async def chat(api: openai.AsyncOpenAI, max_tokens: int = 8, ignore_eos: bool = 
 
 @pytest.fixture(autouse=True)
 def quick_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gateway_service, "QUOTA_SHARE_S", 0.05)
+    monkeypatch.setattr(gateway_peers, "QUOTA_SHARE_S", 0.05)
 
 
 async def test_a_users_daily_tokens_bind_every_key_it_makes_and_32_parallel_requests_overshoot_by_one_reservation(

@@ -130,7 +130,7 @@ async def test_context_overflow_is_a_400_with_the_openai_code(stack: Stack) -> N
 async def test_a_pool_with_no_live_member_answers_503_with_retry_after(stack: Stack) -> None:
     from proto import pools as pool_config
 
-    stack.gateway.file_config = pool_config.parse({"model_pools": {"ghost": {"members": [
+    stack.gateway.pools_file.file_config = pool_config.parse({"model_pools": {"ghost": {"members": [
         {"model_id": "ghost", "backend": "bus:nobody-home"}]}}})
     async with aiohttp.ClientSession() as http, http.post(
         stack.base_url + "/v1/chat/completions", headers=stack.auth,

@@ -167,7 +167,7 @@ async def fleet(nats_server: EmbeddedNatsServer, model: Path, tmp_path: Path, **
                                                       **gateway_config))  # type: ignore[arg-type]
         await es.enter_async_context(gateway.running())
         url = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
-        await wait_for(lambda: "tiny" in pools.model_names(gateway.file_config, gateway.fleet))
+        await wait_for(lambda: "tiny" in pools.model_names(gateway.pools_file.file_config, gateway.fleet))
         accounting = parts.accounting
         user = gateway.identity.create_user("carol", hash_password("carol-password-1"), "user")
         key, record = gateway.identity.create_key(user.user_id, "laptop", None, time.time())

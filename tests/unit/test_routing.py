@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto import SlotHeartbeat
-from services.common.load_score import stale_limit_s
+from services.gateway.load_score import stale_limit_s
 from services.gateway.routing import (
     AffinityTable,
     MemberState,

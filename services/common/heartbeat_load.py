@@ -1,11 +1,12 @@
-"""The load score of one engine from its heartbeat (docs/routing.md §1). Pure.
+"""The load one engine's heartbeat reports, in [0, 1] (docs/routing.md §1). Pure; imports only proto.
 
-Shared by the gateway's router and telemetry's fleet metrics, so both report the same number.
+The one formula both the gateway's router (:mod:`services.gateway.load_score`, with the pools file's
+weights and its own bookings) and telemetry's fleet metrics (the default weights, no bookings) use, so
+both report the same number. Its defaults are the only ones: the gateway's ``RoutingWeights`` takes them
+from here.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from proto import SlotHeartbeat
 
@@ -18,32 +19,12 @@ VLLM_WAITING_CAP = 5
 
 LANE_KINDS = frozenset({"native", "ninfer"})
 
-
-@dataclass(frozen=True)
-class RoutingWeights:
-    """Gateway-level scoring knobs (pools file ``metrics``)."""
-
-    ninfer_lane_weight: float = 0.75
-    ninfer_queue_weight: float = 0.15
-    ninfer_pressure_weight: float = 0.10
-    kv_high_water: float = 0.9
-    stale_after_s: float = 3.0
-
-
-# Timer jitter and transit allowed on top of two missed heartbeats before a member counts as stale.
-STALE_SLACK_S = 0.2
-
-
-def stale_limit_s(hb: SlotHeartbeat | None, stale_after_s: float) -> float:
-    """How old a member's newest heartbeat may be before the member is stale.
-
-    The configured threshold, or sooner when the member advertises its heartbeat interval: two missed
-    heartbeats (plus :data:`STALE_SLACK_S`) mean it stopped, whatever the threshold says.
-    """
-    interval = hb.heartbeat_interval_s if hb is not None else None
-    if interval is None or interval <= 0:
-        return stale_after_s
-    return min(stale_after_s, 2.0 * interval + STALE_SLACK_S)
+# Our engines' weights (pools file ``metrics``: the gateway may set others) and the KV occupancy that counts
+# as pressure.
+NINFER_LANE_WEIGHT = 0.75
+NINFER_QUEUE_WEIGHT = 0.15
+NINFER_PRESSURE_WEIGHT = 0.10
+KV_HIGH_WATER = 0.9
 
 
 def _counter_rose(hb: SlotHeartbeat, previous: SlotHeartbeat | None) -> bool:
@@ -57,16 +38,18 @@ def _counter_rose(hb: SlotHeartbeat, previous: SlotHeartbeat | None) -> bool:
     return any(now is not None and before is not None and now > before for now, before in pairs)
 
 
-def _kv_pressure(hb: SlotHeartbeat, previous: SlotHeartbeat | None, w: RoutingWeights) -> float:
+def _kv_pressure(hb: SlotHeartbeat, previous: SlotHeartbeat | None, kv_high_water: float) -> float:
     if _counter_rose(hb, previous):
         return 1.0
-    if hb.kv_usage is not None and hb.kv_usage >= w.kv_high_water:
+    if hb.kv_usage is not None and hb.kv_usage >= kv_high_water:
         return hb.kv_usage
     return 0.0
 
 
-def load_score(kind: str, hb: SlotHeartbeat, previous: SlotHeartbeat | None, booked: int,
-               weights: RoutingWeights) -> float | None:
+def heartbeat_load(kind: str, hb: SlotHeartbeat, previous: SlotHeartbeat | None, booked: int = 0, *,
+                   lane_weight: float = NINFER_LANE_WEIGHT, queue_weight: float = NINFER_QUEUE_WEIGHT,
+                   pressure_weight: float = NINFER_PRESSURE_WEIGHT, kv_high_water: float = KV_HIGH_WATER
+                   ) -> float | None:
     """Load in [0, 1] from the heartbeat plus ``booked`` unseen requests; None = no lane signal.
 
     Booked requests fill free lanes first and wait beyond them (docs/routing.md §1).
@@ -86,5 +69,4 @@ def load_score(kind: str, hb: SlotHeartbeat, previous: SlotHeartbeat | None, boo
                 + VLLM_WAITING_WEIGHT * min(waiting, VLLM_WAITING_CAP) / VLLM_WAITING_CAP)
     lane_p = 1.0 if waiting > 0 else min(running / lanes, 1.0)
     queue_p = min(waiting / max(lanes / 2, 1), 1.0)
-    return (weights.ninfer_lane_weight * lane_p + weights.ninfer_queue_weight * queue_p
-            + weights.ninfer_pressure_weight * _kv_pressure(hb, previous, weights))
+    return lane_weight * lane_p + queue_weight * queue_p + pressure_weight * _kv_pressure(hb, previous, kv_high_water)

@@ -1,0 +1,325 @@
+"""The failover loop: rank a request's pool members with the router, then try them in order — each once —
+until one accepts (bus: chunk 0 and its first text; HTTP: a status line that is not 5xx/408).
+
+A member that does not take the request raises :class:`services.gateway.errors.MemberFailure` (never
+after anything reached the client); the loop books, unbooks and marks members down in the fleet,
+counts decisions and failovers in :class:`GatewayMetrics`, and fills the request's :class:`Outcome`
+(member, status, tokens, first-token time) for its usage record. All down → 503 + Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from nats.aio.client import Client
+
+from proto import TokenChunk
+from services.common import openai_api, openai_stream
+from services.common.http import HTTPError
+from services.common.prom import E2E_BUCKETS_S, Histogram
+from services.common.runtime import ThrottledLog
+from services.gateway import bus_backend, pools, routing, routing_adapter
+from services.gateway.errors import MemberFailure
+from services.gateway.fleet import Fleet
+from services.gateway.http_backend import HttpBackend
+from services.gateway.pools_file import PoolsFile
+from services.gateway.usage_meter import UsageMeter
+
+log = logging.getLogger(__name__)
+
+# HTTP members whose engines honour stream_options.continuous_usage_stats (vLLM's extension; SGLang has it
+# too; ninfer-serve, engine kind "native"): known from their telemetry heartbeats. Others (llama.cpp, stock
+# OpenAI servers) are not asked: an unknown stream option may be refused.
+CONTINUOUS_USAGE_KINDS = frozenset({"vllm", "sglang", "native"})
+# After a cancel, how long the gateway waits for the engine's count of what the request used (normally one
+# engine step, milliseconds; a loaded 2-core host has taken over 2 s). The wait runs in the background.
+ABORT_REPORT_WAIT_S = 10.0
+
+
+@dataclass
+class Outcome:
+    """What one request produced, for its UsageRecord, metrics and access line."""
+
+    member_id: str = ""
+    status: str = "ok"
+    http_status: int = 200
+    finish_reason: str | None = None
+    error_code: str | None = None
+    meter: UsageMeter = field(default_factory=UsageMeter)
+    ttft_ms: float | None = None
+    routing_reason: str = ""
+    pool: str = ""
+    limit_kind: str | None = None
+    # the answer is still being accounted after the handler ended (an abort report, an abandoned read):
+    # the usage record is written when this finishes
+    settling: asyncio.Future[Any] | None = None
+
+
+@dataclass
+class GatewayMetrics:
+    requests: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
+    decisions: collections.Counter[str] = field(default_factory=collections.Counter)
+    failovers: collections.Counter[str] = field(default_factory=collections.Counter)
+    latency: dict[str, Histogram] = field(default_factory=dict)
+    affinity_hits: int = 0
+
+    def observe(self, outcome: Outcome, latency_s: float) -> None:
+        self.requests[(outcome.pool or "-", outcome.member_id or "-", outcome.status)] += 1
+        self.latency.setdefault(outcome.pool or "-", Histogram(E2E_BUCKETS_S)).observe(latency_s)
+
+
+class Forwarder:
+    """Forwards one request to its pool's members (:meth:`forward`); the router, the fleet, the HTTP members'
+    client and the pools file in force are passed in, as are the metrics it counts into."""
+
+    def __init__(self, nc: Client, gateway_id: str, chunk_timeout_s: float, fleet: Fleet,
+                 router: routing_adapter.Router, http: HttpBackend, pools_file: PoolsFile, metrics: GatewayMetrics,
+                 rng: random.Random, quiet_log: ThrottledLog) -> None:
+        self.nc = nc
+        self.gateway_id = gateway_id
+        self.chunk_timeout_s = chunk_timeout_s
+        self.fleet = fleet
+        self.router = router
+        self.http = http
+        self.pools_file = pools_file
+        self.metrics = metrics
+        self.rng = rng
+        self._quiet_log = quiet_log
+
+    async def forward(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
+                      resolved: pools.ResolvedPool, request_id: str, api_key_id: str | None,
+                      outcome: Outcome) -> web.StreamResponse:
+        decision = self.decide(request, parsed, resolved, api_key_id)
+        self.metrics.decisions[decision.reason] += 1
+        if decision.reason == "no_member_fits_context":
+            raise HTTPError(400, f"the prompt is longer than any member of '{parsed.model}' accepts",
+                            code="context_length_exceeded", param="messages")
+        refs = {r.member_id: r for r in resolved.members}
+        outcome.meter.prompt_tokens_estimate = decision.request.prompt_tokens
+        prompt_chars = decision.request.prompt_tokens * routing.CHARS_PER_TOKEN
+        last_error: HTTPError | None = None
+        for attempt, member_id in enumerate(decision.ranked):
+            ref = refs[member_id]
+            if parsed.endpoint == "embeddings" and ref.kind != "http":
+                continue  # our engines do not serve embeddings
+            if parsed.unsupported and ref.kind != "http":
+                # Asks for what our engines do not implement (tools, ...): HTTP members get the body as it came.
+                refusal = openai_api.unsupported_error(parsed, f"engine {member_id}")
+                last_error = last_error or HTTPError.bad_request(refusal)
+                continue
+            outcome.member_id = member_id
+            outcome.routing_reason = decision.reason if attempt == 0 else f"failover:{decision.reason}"
+            pending = max(0, prompt_chars - decision.affinity_chars(member_id))
+            self.fleet.book(member_id)
+            self.fleet.add_pending_prefill(member_id, pending)
+            first_byte = _Once(lambda m=member_id, p=pending: self.fleet.add_pending_prefill(m, -p))
+            try:
+                if ref.kind == "bus":
+                    response = await self._via_bus(request, parsed, ref, request_id, api_key_id, outcome, first_byte)
+                else:
+                    response = await self._via_http(request, body, parsed, ref, request_id, outcome, first_byte)
+            except MemberFailure as exc:
+                self.fleet.unbook(member_id)
+                if outcome.meter.output_tokens_seen == 0 and not outcome.meter.is_final:
+                    outcome.meter = UsageMeter(prompt_tokens_estimate=outcome.meter.prompt_tokens_estimate)
+                error, bus_down = exc.error, exc.is_bus_down
+                if error is not None and error.status < 500:
+                    if error.status in (400, 413):
+                        raise error from None  # about the request itself: another member would say the same
+                    last_error = error  # e.g. 429 queue full: try the next member, report this if none
+                elif not bus_down:
+                    self.fleet.mark_down(member_id, time.time())
+                self._quiet_log.warning(f"unavailable:{member_id}:{bus_down}",
+                                        "member %s unavailable for %s: %s", member_id, request_id, exc)
+                self.metrics.failovers[member_id] += 1
+                continue
+            finally:
+                first_byte()
+                self.fleet.release(member_id)
+            if outcome.status == "ok":
+                self.router.record_success(decision, member_id, self.fleet, time.time())
+                if decision.reason == "affinity":
+                    self.metrics.affinity_hits += 1
+            return response
+        if last_error is not None:
+            raise last_error
+        outcome.member_id = ""
+        raise HTTPError(503, f"no engine of '{parsed.model}' can take the request right now; retry shortly",
+                        code="no_backend_available", retry_after_s=5)
+
+    def _on_final(self, outcome: Outcome) -> Callable[[TokenChunk, float | None], None]:
+        def on_final(chunk: TokenChunk, ttft_ms: float | None) -> None:
+            outcome.finish_reason, outcome.ttft_ms = chunk.finish_reason, ttft_ms
+            if chunk.usage is not None:
+                outcome.meter.finished(chunk.usage, "engine" if chunk.finish_reason == "abort" else "member")
+            if chunk.error is not None:
+                outcome.status, outcome.http_status, outcome.error_code = "error", chunk.error.status, chunk.error.code
+            elif chunk.finish_reason == "abort":
+                outcome.status = "aborted"
+        return on_final
+
+    def _on_error(self, outcome: Outcome) -> Callable[[HTTPError], None]:
+        def on_error(err: HTTPError) -> None:
+            outcome.status, outcome.http_status, outcome.error_code = "error", err.status, err.code
+        return on_error
+
+    async def _via_bus(self, request: web.Request, parsed: openai_api.ParsedRequest, ref: pools.MemberRef,
+                       request_id: str, api_key_id: str | None, outcome: Outcome,
+                       first_byte: Callable[[], None]) -> web.StreamResponse:
+        generate = msgspec.structs.replace(parsed.generate, request_id=request_id, model=ref.model_id,
+                                           gateway_id=self.gateway_id, api_key_id=api_key_id)
+        deadline_s = time.monotonic() + self.pools_file.file_config.limits.request_timeout_s
+        stream = await bus_backend.start(self.nc, ref.member_id, generate, self.pools_file.first_byte_timeout_s,
+                                         self.chunk_timeout_s, self._liveness(ref.member_id), deadline_s)
+        open_stream: bus_backend.BusStream | None = stream
+        meter = outcome.meter
+        first = stream.first
+        meter.accepted(first.usage.prompt_tokens if first.usage else None,
+                       first.usage.cached_tokens if first.usage else 0)
+        try:
+            try:
+                await stream.prime(ref.member_id)  # a worker lost before its first token: fail over
+            except HTTPError:  # the request timeout ran out before the first token
+                await bus_backend.cancel(self.nc, ref.member_id, request_id)
+                raise
+            except bus_backend.WorkerUnavailable:
+                await bus_backend.cancel(self.nc, ref.member_id, request_id)
+                raise
+            return await openai_stream.respond(request, parsed, request_id, _metered(stream.chunks(), first_byte,
+                                               meter), self._on_final(outcome), self._on_error(outcome))
+        except (asyncio.CancelledError, ConnectionResetError):
+            await bus_backend.cancel(self.nc, ref.member_id, request_id)  # the client went away
+            if not meter.is_final:  # the engine answers the cancel with its count: bill that, in the background
+                outcome.settling = asyncio.ensure_future(self._abort_report(stream, meter))
+                open_stream = None
+            raise
+        finally:
+            if open_stream is not None:
+                await open_stream.close()
+
+    @staticmethod
+    async def _abort_report(stream: bus_backend.BusStream, meter: UsageMeter) -> None:
+        """Read a cancelled request's last chunks: the engine's final ``abort`` chunk says what it used."""
+        started = time.monotonic()
+        try:
+            async for chunk in stream.rest(ABORT_REPORT_WAIT_S):
+                meter.saw_tokens(len(chunk.token_ids))
+                if chunk.is_final and chunk.usage is not None:  # an abort's count, or an end already on its way
+                    meter.finished(chunk.usage, "engine" if chunk.finish_reason == "abort" else "member")
+            if not meter.is_final:
+                log.warning("no abort report from %s within %.1f s: billed the %d tokens the gateway saw",
+                            stream.first.worker_id or "the engine", time.monotonic() - started,
+                            meter.output_tokens_seen)
+        except Exception as exc:  # the report is a bonus: what was counted stands
+            log.debug("abort report not read: %s", exc)
+        finally:
+            await stream.close()
+
+    def _liveness(self, member_id: str) -> Callable[[], bool]:
+        """True while the member's heartbeats keep coming from the session that accepted the request."""
+        rec = self.fleet.record(member_id)
+        session = rec.heartbeat.session_id if rec.heartbeat is not None else None
+
+        def is_alive() -> bool:
+            hb = rec.heartbeat
+            if hb is None or rec.received_s is None:
+                return True  # no telemetry to judge by: the chunk timeout decides
+            return hb.session_id == session and time.time() - rec.received_s <= self.pools_file.stale_after_s
+        return is_alive
+
+    async def _via_http(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
+                        ref: pools.MemberRef, request_id: str, outcome: Outcome,
+                        first_byte: Callable[[], None]) -> web.StreamResponse:
+        assert ref.config is not None
+        hb = self.fleet.record(ref.member_id).heartbeat
+        running_usage = parsed.stream and hb is not None and hb.engine_kind in CONTINUOUS_USAGE_KINDS
+        resp = await self.http.open(ref.config, parsed.endpoint, body, parsed.stream, {"X-Request-Id": request_id},
+                                    continuous_usage=running_usage)
+
+        def abandoned(reading: asyncio.Task[Any]) -> None:
+            # the member goes on making the answer the client left: bill what it reports when done
+            outcome.settling = asyncio.ensure_future(_quietly(reading))
+        response, result = await self.http.relay(request, resp, parsed.stream, parsed.include_usage, request_id,
+                                                 on_first_byte=first_byte, meter=outcome.meter,
+                                                 member_id=ref.member_id, on_abandoned=abandoned,
+                                                 strip_running_usage=running_usage and not parsed.continuous_usage)
+        outcome.finish_reason, outcome.ttft_ms = result.finish_reason, result.ttft_ms
+        if result.error is not None:
+            self._on_error(outcome)(result.error)
+        return response
+
+
+    def decide(self, request: web.Request, parsed: openai_api.ParsedRequest, resolved: pools.ResolvedPool,
+               api_key_id: str | None) -> routing_adapter.Decision:
+        """The router's ranking of the pool's members for this request (also what the explainer shows)."""
+        session_key, is_header = self.session_key(request, api_key_id)
+        return self.router.decide(resolved, parsed, session_key, is_header, self.fleet, time.time(),
+                                  self.weights(), self.rng)
+
+    def weights(self) -> routing.RoutingWeights:
+        return routing_adapter.weights_for(self.pools_file.file_config.metrics, self.pools_file.stale_after_s)
+
+    @staticmethod
+    def parse(body: dict[str, Any], endpoint: str) -> openai_api.ParsedRequest:
+        try:
+            if endpoint == "embeddings":
+                model = body.get("model")
+                if not isinstance(model, str) or not model:
+                    raise openai_api.InvalidRequest("'model' is required and must be a string", "model")
+                if "input" not in body:
+                    raise openai_api.InvalidRequest("'input' is required", "input")
+                return openai_api.ParsedRequest("embeddings", model, False, False, openai_api.empty_generate(model))
+            return openai_api.parse_request(body, endpoint)
+        except openai_api.InvalidRequest as exc:
+            raise HTTPError.bad_request(exc) from None
+
+    def resolve(self, model: str) -> pools.ResolvedPool:
+        resolved = pools.resolve(model, self.pools_file.file_config, self.fleet)
+        if resolved is None:
+            raise HTTPError(404, f"model '{model}' does not exist", code="model_not_found", param="model")
+        return resolved
+
+    @staticmethod
+    def session_key(request: web.Request, api_key_id: str | None) -> tuple[str | None, bool]:
+        """X-Session-Id, else the API key id (a weaker hint); the flag says which."""
+        header = request.headers.get("X-Session-Id")
+        return (header, True) if header else (api_key_id, False)
+
+
+class _Once:
+    """Call ``fn`` the first time this is called, never again."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+
+async def _metered(chunks: AsyncIterator[TokenChunk], first: Callable[[], None], meter: UsageMeter
+                  ) -> AsyncIterator[TokenChunk]:
+    """The chunks as they come, counting their tokens (``meter``) and telling ``first`` of the first text."""
+    async for chunk in chunks:
+        if chunk.text or chunk.is_final:
+            first()
+        if chunk.index > 0:  # chunk 0, the acceptance, is counted by the caller
+            meter.saw_tokens(len(chunk.token_ids))
+        yield chunk
+
+
+async def _quietly(task: asyncio.Future[Any]) -> None:
+    """Await ``task`` for its side effects; its failure has been accounted for already."""
+    with contextlib.suppress(Exception):
+        await task

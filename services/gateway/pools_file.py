@@ -1,0 +1,147 @@
+"""The pools file in force: loading it, reloading it when it changes, saving the Config page's edit, and
+telling the other gateways and telemetry (``llm.v1.config.changed``) — and hearing from them.
+
+A new file takes effect in one place (:meth:`PoolsFile._use_file_config`): the per-key concurrency limit
+(auth) and the HTTP members' timeouts follow it; everything else reads :attr:`PoolsFile.file_config` when
+it needs it. A broken file changes nothing and the log says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from proto import pools as pool_config
+from proto import subjects
+from services.common.runtime import ConfigError, atomic_write_text
+from services.gateway.auth import Auth
+from services.gateway.http_backend import HttpBackend
+
+log = logging.getLogger(__name__)
+
+
+def initial_file_config(config_path: Path, given: pool_config.GatewayFileConfig | None, is_named: bool
+                        ) -> pool_config.GatewayFileConfig:
+    """The pools file at start: the one given, else ``config_path`` when it exists and was not named on the
+    command line (DATA/pools.json, what the Config page saves when no file was named), else the defaults."""
+    if given is None and not is_named and config_path.exists():
+        given = pool_config.load(config_path)
+    return given or pool_config.GatewayFileConfig()
+
+
+def first_byte_timeout_s(override_s: float | None, file_config: pool_config.GatewayFileConfig) -> float:
+    """``--first-chunk-timeout`` when given, else the pools file's ``gateway.first_byte_timeout_s``."""
+    if override_s is not None:
+        return override_s
+    return file_config.limits.first_byte_timeout_s
+
+
+class PoolsFile:
+    """The gateway's pools file (``config_path``) and what follows it; ``first_chunk_timeout_s`` and
+    ``stale_after_s`` are the command line's overrides (None: the file's)."""
+
+    def __init__(self, nc: Client, gateway_id: str, config_path: Path, file_config: pool_config.GatewayFileConfig,
+                 auth: Auth, http: HttpBackend, first_chunk_timeout_s: float | None = None,
+                 stale_after_s: float | None = None, config_poll_s: float = 1.0) -> None:
+        self.nc = nc
+        self.gateway_id = gateway_id
+        self.config_path = config_path
+        self.file_config = file_config
+        self.auth = auth
+        self.http = http
+        self.first_chunk_timeout_s = first_chunk_timeout_s
+        self.stale_after_s_override = stale_after_s
+        self.config_poll_s = config_poll_s
+        self._config_mtime: float | None = None
+
+    @property
+    def first_byte_timeout_s(self) -> float:
+        return first_byte_timeout_s(self.first_chunk_timeout_s, self.file_config)
+
+    @property
+    def stale_after_s(self) -> float:
+        """``--stale-after`` when given, else the pools file's ``metrics.stale_threshold`` (reloads apply)."""
+        if self.stale_after_s_override is not None:
+            return self.stale_after_s_override
+        return self.file_config.metrics.stale_threshold
+
+    def _use_file_config(self, parsed: pool_config.GatewayFileConfig) -> None:
+        """The one place a new pools file takes effect (reload, Config page, another gateway's save)."""
+        self.file_config = parsed
+        self.auth.max_concurrent_per_key = parsed.limits.max_concurrent_per_key
+        self.http.first_byte_timeout_s = self.first_byte_timeout_s
+        self.http.request_timeout_s = parsed.limits.request_timeout_s
+
+    def config_dict(self) -> dict[str, Any]:
+        return pool_config.to_dict(self.file_config)
+
+    async def apply_config(self, raw: dict[str, Any], broadcast: bool = True) -> ConfigError | None:
+        """Validate, save atomically, apply now, and tell the other gateways; a bad config changes nothing."""
+        try:
+            parsed = pool_config.parse(raw)
+        except ConfigError as exc:
+            return exc
+        text = json.dumps(raw, indent=2) + "\n"
+        await asyncio.to_thread(atomic_write_text, self.config_path, text)
+        self._use_file_config(parsed)
+        self._config_mtime = _mtime(self.config_path)
+        log.info("config saved to %s and applied: %d pool(s)", self.config_path, len(parsed.pools))
+        if broadcast:
+            await self._announce_config(raw)
+        return None
+
+    async def _announce_config(self, raw: dict[str, Any]) -> None:
+        """Tell telemetry and the other gateways (``llm.v1.config.changed``) that the pools changed."""
+        try:
+            await self.nc.publish(subjects.CONFIG_CHANGED, pool_config.change_message(self.gateway_id, raw))
+        except Exception as exc:
+            log.warning("other gateways not told about the new config (bus: %s); they keep their own", exc)
+
+    async def _on_config_changed(self, msg: Msg) -> None:
+        try:
+            change = pool_config.read_change_message(msg.data)
+        except ConfigError as exc:
+            log.error("kept the previous config: a config-changed message was refused: %s", exc)
+            return
+        if change.gateway_id == self.gateway_id:
+            return
+        try:
+            await self.apply_config(change.raw, broadcast=False)  # already valid: read_change_message parsed it
+        except OSError as exc:
+            log.error("config from gateway %s not saved: %s", change.gateway_id, exc)
+
+    def mark_seen(self) -> None:
+        """The file as it is now counts as applied: :meth:`watch_config` reloads only a later change."""
+        self._config_mtime = _mtime(self.config_path)
+
+    async def watch_config(self) -> None:
+        """Reload the pools file when it changes (and tell the bus); a broken file keeps the old config and says why."""
+        while True:
+            await asyncio.sleep(self.config_poll_s)
+            mtime = _mtime(self.config_path)
+            if mtime == self._config_mtime or mtime is None:
+                continue
+            self._config_mtime = mtime
+            try:
+                parsed = await asyncio.to_thread(pool_config.load, self.config_path)
+            except ConfigError as exc:
+                log.error("kept the previous config: %s", exc)
+                continue
+            if parsed == self.file_config:
+                continue  # rewritten with what we have (another gateway saved it into a shared file)
+            self._use_file_config(parsed)
+            log.info("reloaded %s: %d pool(s)", self.config_path, len(self.file_config.pools))
+            await self._announce_config(pool_config.to_dict(parsed))  # as for a Config page save
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
