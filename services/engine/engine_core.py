@@ -25,21 +25,21 @@ from typing import Literal
 
 import torch
 
-from services.engine.attention import KVCache, KVCacheSpec
-from services.engine.draft_model import DraftModelProposer, DraftTarget
+from services.engine.model.attention import KVCache, KVCacheSpec
+from services.engine.spec.draft_model import DraftModelProposer, DraftTarget
 from services.engine.errors import EngineError, InvalidParameterError
 from services.engine.kernels.backend import select_backend
-from services.engine.loader import load_model
-from services.engine.model_runner import ModelRunner
-from services.engine.mtp_proposer import MTPProposer, MTPRows
-from services.engine.rejection_sampler import verify_greedy, verify_random
-from services.engine.request import Request, RequestStatus
-from services.engine.sampler import History, Sampler, TokenLogprobs, sampling_probs
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
-from services.engine.spec_decode import SpecConfig, SpecDecodeCounters, SpecDecodeStats, check_mtp, propose_ngram
-from services.engine.stop_checker import StopChecker
-from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.engine.model.loader import load_model
+from services.engine.model.model_runner import ModelRunner
+from services.engine.spec.mtp_proposer import MTPProposer, MTPRows
+from services.engine.spec.rejection_sampler import verify_greedy, verify_random
+from services.engine.core.request import Request, RequestStatus
+from services.engine.model.sampler import History, Sampler, TokenLogprobs, sampling_probs
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
+from services.engine.spec.spec_decode import SpecConfig, SpecDecodeCounters, SpecDecodeStats, check_mtp, propose_ngram
+from services.engine.core.stop_checker import StopChecker
+from services.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class PromptEncoder:
     """What the HTTP and bus layers need of an engine to turn a request into prompt tokens.
 
     The :class:`EngineCore` is one; so is the API side of an engine whose core runs in another process
-    (:class:`services.engine.async_engine.ProcessEngine`), which loads the tokenizer but not the model.
+    (:class:`services.engine.serve.async_engine.ProcessEngine`), which loads the tokenizer but not the model.
     """
 
     config: EngineConfig

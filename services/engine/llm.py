@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from services.engine.engine_core import EngineConfig, EngineCore, RequestTimings
-from services.engine.sampling_params import SamplingParams
+from services.engine.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

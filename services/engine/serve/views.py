@@ -10,8 +10,8 @@ from typing import Any
 
 from services.common.prom import E2E_BUCKETS_S, TTFT_BUCKETS_S, Histogram, PromText
 from services.engine.engine_core import EngineSnapshot, RequestOutput
-from services.engine.spec_decode import SpecDecodeStats
-from services.engine.usage_ledger import UsageLedger
+from services.engine.spec.spec_decode import SpecDecodeStats
+from services.engine.serve.usage_ledger import UsageLedger
 
 
 @dataclass

@@ -46,15 +46,15 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.engine.block_pool import BlockPool, HashFn, hash_block_tokens
+from services.engine.core.block_pool import BlockPool, HashFn, hash_block_tokens
 from services.engine.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
     InvalidParameterError,
     QueueFullError,
 )
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
+from services.engine.core.request import Request, RequestStatus
+from services.engine.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

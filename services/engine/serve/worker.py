@@ -36,7 +36,7 @@ from proto import (
     subjects,
 )
 from services.common.runtime import new_session_id, raise_if_cancelling
-from services.engine.async_engine import EngineHandle
+from services.engine.serve.async_engine import EngineHandle
 from services.engine.engine_core import PromptEncoder, RequestOutput
 from services.engine.errors import (
     ContextLengthExceededError,
@@ -44,9 +44,9 @@ from services.engine.errors import (
     InvalidParameterError,
     QueueFullError,
 )
-from services.engine.sampler import TokenLogprobs
-from services.engine.sampling_params import SamplingParams
-from services.engine.tokenizer import Tokenizer
+from services.engine.model.sampler import TokenLogprobs
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

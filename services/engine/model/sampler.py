@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.kernels import cpu_kernels
-from services.engine.sampling_params import SamplingParams
+from services.engine.core.sampling_params import SamplingParams
 
 # Smallest positive float32; keeps E > 0 so p / E never divides by zero (0 / 0 = NaN would win argmax).
 _TINY = torch.finfo(torch.float32).tiny

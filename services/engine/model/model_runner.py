@@ -18,10 +18,10 @@ from typing import Protocol
 
 import torch
 
-from services.engine.attention import KVCache, SeqSpan, build_attention_metadata
-from services.engine.kernels.cuda_graphs import DecodeGraphRunner, DecodeInputs, decode_metadata
-from services.engine.model import CausalLM
-from services.engine.model_config import ModelConfig
+from services.engine.model.attention import KVCache, SeqSpan, build_attention_metadata
+from services.engine.model.cuda_graphs import DecodeGraphRunner, DecodeInputs, decode_metadata
+from services.engine.model.model import CausalLM
+from services.engine.model.model_config import ModelConfig
 
 
 class StepSeq(Protocol):

@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.engine.request import Request
+from services.engine.core.request import Request
 
 NULL_BLOCK_ID = 0
 

@@ -36,8 +36,8 @@ from typing import Any
 
 from services.common.runtime import setup_logging
 from services.engine.engine_core import EngineConfig, EngineCore, EngineSnapshot, PromptEncoder, RequestOutput
-from services.engine.sampling_params import SamplingParams
-from services.engine.tokenizer import Tokenizer
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
