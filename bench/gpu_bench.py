@@ -391,8 +391,9 @@ def serve(core: Any, requests: list[tuple[list[int], int]], concurrency: int, de
 def run_throughput(sizes: Sizes, report: Report, deadline: Deadline, seed: int, workdir: Path,
                    backends: list[str]) -> Path:
     """The throughput rows; returns the checkpoint it wrote (the spec-decoding runs reuse it)."""
+    from services.engine.config import EngineConfig
+    from services.engine.engine_core import EngineCore
     from services.engine.model.attention import TorchPagedAttention
-    from services.engine.engine_core import EngineConfig, EngineCore
 
     t0 = time.monotonic()
     path = write_checkpoint(sizes, workdir)
@@ -471,7 +472,8 @@ def run_spec_decode(sizes: Sizes, report: Report, deadline: Deadline, seed: int,
     with speculation off, ``ngram`` and ``mtp`` (K=4): output tok/s and the engine's own acceptance
     counters. Random weights: the figures time the mechanism; ngram finds what the random model repeats,
     the random MTP module's drafts are essentially never accepted. A trained model's rates differ."""
-    from services.engine.engine_core import EngineConfig, EngineCore
+    from services.engine.config import EngineConfig
+    from services.engine.engine_core import EngineCore
     from services.engine.spec.spec_decode import SpecConfig
 
     rng = random.Random(seed + 2)

@@ -29,13 +29,15 @@ from services.common.runtime import (
     run_async_main,
     setup_logging,
 )
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore
+from services.engine.errors import EngineError
+from services.engine.kernels.backend import BackendUnavailableError, select_backend
 from services.engine.model.artifact import materialize
 from services.engine.serve.async_engine import AsyncEngine, EngineHandle, ProcessEngine
 from services.engine.serve.energy import detect_meter
-from services.engine.engine_core import EngineConfig, EngineCore
-from services.engine.errors import EngineError
-from services.engine.kernels.backend import BackendUnavailableError, select_backend
 from services.engine.serve.http import EngineService, ServeConfig, http_site
+from services.engine.serve.worker import BusWorker, WorkerConfig
 from services.engine.spec.spec_decode import (
     DEFAULT_DRAFT_TOKENS,
     MAX_DRAFT_TOKENS,
@@ -43,7 +45,6 @@ from services.engine.spec.spec_decode import (
     SPEC_METHODS,
     SpecConfig,
 )
-from services.engine.serve.worker import BusWorker, WorkerConfig
 
 log = logging.getLogger("ninfer.serve")
 

@@ -34,8 +34,9 @@ from services.common.bus import connect, ensure_bus
 from services.common.http import serving
 from services.common.load_score import stale_limit_s
 from services.common.nats_server import EmbeddedNatsServer
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore
 from services.engine.serve.async_engine import AsyncEngine
-from services.engine.engine_core import EngineConfig, EngineCore
 from services.engine.serve.worker import BusWorker, WorkerConfig
 from services.gateway.identity import hash_password
 from services.gateway.service import GatewayConfig, GatewayService

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.serve.async_engine import AsyncEngine, ProcessEngine
-from services.engine.engine_core import EngineConfig, EngineCore
-from services.engine.errors import ModelLoadError, QueueFullError, SpeculativeDecodingError
+from services.engine.config import EngineConfig
 from services.engine.core.sampling_params import SamplingParams
+from services.engine.engine_core import EngineCore
+from services.engine.errors import ModelLoadError, QueueFullError, SpeculativeDecodingError
+from services.engine.serve.async_engine import AsyncEngine, ProcessEngine
 from services.engine.spec.spec_decode import SpecConfig
 from tests.conftest import LONG_GENERATION_TOKENS
 

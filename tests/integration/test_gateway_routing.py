@@ -30,9 +30,11 @@ from services.common import pool_config
 from services.common.bus import connect, ensure_bus
 from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore
+from services.engine.outputs import RequestOutput
 from services.engine.serve.async_engine import AsyncEngine
 from services.engine.serve.energy import UnavailableMeter
-from services.engine.engine_core import EngineConfig, EngineCore, RequestOutput
 from services.engine.serve.http import EngineService, ServeConfig, http_site
 from services.engine.serve.worker import BusWorker, WorkerConfig
 from services.gateway.service import GatewayConfig, GatewayService

@@ -2,10 +2,11 @@
 
 Every kernel here has an oracle in torch: the attention kernels are checked against
 ``services.engine.model.attention.TorchPagedAttention`` (and ``KVCache.write`` for the cache write), the
-elementwise kernels against :mod:`services.engine.kernels.reference`, which follows ``model.py``'s numerics
-op for op. The backend built from them (``TritonPagedAttention``) and the CUDA-graph buffers live in
-``services/engine/model/``: they are model wiring, not kernels. The tests run the kernels on CPU under ``TRITON_INTERPRET=1`` (tests/unit/engine/
-test_triton_kernels.py); ``bench/gpu_bench.py`` repeats the comparison on a GPU at realistic sizes.
+elementwise kernels against :mod:`services.engine.kernels.reference`, which follows ``model.py``'s
+numerics op for op. The backend built from them (``TritonPagedAttention``) and the CUDA-graph buffers
+live in ``services/engine/model/``: they are model wiring, not kernels. The tests run the kernels on CPU
+under ``TRITON_INTERPRET=1`` (tests/unit/engine/test_triton_kernels.py); ``bench/gpu_bench.py`` repeats
+the comparison on a GPU at realistic sizes.
 
 Modules (one noun each):
   backend.py          which backend a device gets ("triton" on CUDA when triton imports, else "torch")

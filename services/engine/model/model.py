@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
 from services.engine.kernels import cpu_kernels as cpu_kernels
 from services.engine.kernels.backend import Backend
+from services.engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
 from services.engine.model.model_config import ModelConfig
 
 # oneDNN's fp32 GEMM (the kernel inductor picks on CPU) against MKL's, which F.linear calls: on the bench

@@ -35,9 +35,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from services.common.runtime import setup_logging
-from services.engine.engine_core import EngineConfig, EngineCore, EngineSnapshot, PromptEncoder, RequestOutput
+from services.engine.config import EngineConfig
 from services.engine.core.sampling_params import SamplingParams
+from services.engine.engine_core import EngineCore
 from services.engine.model.tokenizer import Tokenizer
+from services.engine.outputs import EngineSnapshot, RequestOutput
+from services.engine.serve.frontend import PromptEncoder
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +243,12 @@ class EngineHandle:
         self._snapshot: EngineSnapshot | None = None
         self._snapshot_lock = threading.Lock()
         self.step_error: BaseException | None = None
+        # Requests the bus face dropped because their deadline_s passed (before admission or still queued).
+        self.num_deadline_dropped = 0
+
+    def count_deadline_dropped(self) -> None:
+        """Count one request dropped for its deadline (``/metrics``: ninfer:requests_deadline_dropped_total)."""
+        self.num_deadline_dropped += 1
 
     def on_outputs(self, callback: Callable[[list[RequestOutput]], None]) -> None:
         """``callback`` runs on the event loop with every step's outputs (telemetry, energy attribution)."""
@@ -633,7 +642,7 @@ class ProcessEngine(EngineHandle):
         self._deliver(aborted, True)
 
 
-class _ApiSide(PromptEncoder):
+class _ApiSide:
     """The API process's view of an engine whose core runs elsewhere."""
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_id: str, max_context: int) -> None:

@@ -32,16 +32,16 @@ from pathlib import Path
 
 import torch
 
-from services.engine.model.attention import KVCache, KVCacheDtype, KVCacheSpec
 from services.engine.core.block_pool import BlockPool
+from services.engine.core.request import Request
+from services.engine.core.sampling_params import SamplingParams
 from services.engine.errors import SpeculativeDecodingError
+from services.engine.model.attention import KVCache, KVCacheDtype, KVCacheSpec
 from services.engine.model.loader import load_model
 from services.engine.model.model import CausalLM
 from services.engine.model.model_config import ModelConfig
 from services.engine.model.model_runner import ModelRunner, RunnerSeq
-from services.engine.core.request import Request
 from services.engine.model.sampler import sampling_probs
-from services.engine.core.sampling_params import SamplingParams
 from services.engine.model.tokenizer import Tokenizer
 
 

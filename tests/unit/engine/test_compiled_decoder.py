@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.model import model as model_module
 from services.engine.kernels import cpu_kernels
+from services.engine.model import model as model_module
 from services.engine.model.loader import load_model
 from services.engine.model.model import CausalLM
 from services.engine.model.model_runner import ModelRunner, RunnerSeq

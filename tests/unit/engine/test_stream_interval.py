@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from services.engine.outputs import RequestOutput
 from services.engine.serve.async_engine import StreamInterval
-from services.engine.engine_core import RequestOutput
 
 
 def out(rid: str, text: str, ids: tuple[int, ...], n_out: int, finish: str | None = None) -> RequestOutput:

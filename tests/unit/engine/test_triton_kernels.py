@@ -78,16 +78,6 @@ _import_interpreted()
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from services.engine.model import model as model_module  # noqa: E402
-from services.engine.model.attention import (  # noqa: E402
-    FP8_DTYPE,
-    FP8_MAX,
-    KVCache,
-    KVCacheSpec,
-    SeqSpan,
-    TorchPagedAttention,
-    build_attention_metadata,
-)
 from services.engine.kernels import reference  # noqa: E402
 from services.engine.kernels.activation import silu_and_mul  # noqa: E402
 from services.engine.kernels.decode_attention import (  # noqa: E402
@@ -98,6 +88,16 @@ from services.engine.kernels.decode_attention import (  # noqa: E402
 from services.engine.kernels.kv_write import write_kv  # noqa: E402
 from services.engine.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from services.engine.kernels.rope import rope_  # noqa: E402
+from services.engine.model import model as model_module  # noqa: E402
+from services.engine.model.attention import (  # noqa: E402
+    FP8_DTYPE,
+    FP8_MAX,
+    KVCache,
+    KVCacheSpec,
+    SeqSpan,
+    TorchPagedAttention,
+    build_attention_metadata,
+)
 from services.engine.model.triton_attention import TritonPagedAttention  # noqa: E402
 
 # (atol, rtol). bf16's are wide because the interpreter's float32 -> bfloat16 cast truncates instead of
@@ -478,8 +478,8 @@ def test_decode_steps_through_the_graph_runner_path_give_the_eager_tokens(tmp_pa
     the static-input path a CUDA graph replays (DecodeInputs, decode_metadata, a fixed split count per
     bucket) and must give the same greedy tokens as the eager path; and a bucket's padded rows must not
     change the real rows' logits."""
-    from services.engine.model.cuda_graphs import StaticDecodeBuffers
     from services.engine.llm import LLM, greedy
+    from services.engine.model.cuda_graphs import StaticDecodeBuffers
     from services.engine.tiny_checkpoint import write_tiny_checkpoint
 
     model = write_tiny_checkpoint(tmp_path / "qwen3", arch="qwen3")
