@@ -13,7 +13,7 @@ from services.engine.config import EngineConfig
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.engine_core import EngineCore
 from services.engine.outputs import RequestOutput
-from services.engine.serve.worker import output_chunk
+from services.engine.serve.frontend import output_chunk
 from services.engine.spec.spec_decode import SpecConfig
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.engine.model_helpers import hf_logits, hf_model

@@ -32,9 +32,9 @@ from services.engine.engine_core import EngineCore
 from services.engine.errors import ModelLoadError, SpeculativeDecodingError
 from services.engine.llm import greedy
 from services.engine.outputs import RequestOutput
+from services.engine.serve.frontend import output_chunk
 from services.engine.serve.usage_ledger import UsageLedger
 from services.engine.serve.views import RequestStats, metrics_text, usage_body
-from services.engine.serve.worker import output_chunk
 from services.engine.spec.rejection_sampler import verify_greedy, verify_random
 from services.engine.spec.spec_decode import SpecConfig, SpecDecodeCounters, propose_ngram
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
