@@ -6,6 +6,15 @@ built yet stop the start with a message saying so; none is silently ignored. ``-
 draft --draft-model PATH`` and ``--spec mtp`` serve; ``--spec mtp`` on a checkpoint without ``mtp.*``
 tensors fails at start naming the alternatives. With ``--spec mtp`` the MTP module always uses the main
 LM head (it has none of its own), so ``--lm-head-draft`` is accepted and changes nothing.
+
+What it wires (config -> wiring -> run; the only place that configures logging):
+  flags -> ``EngineConfig`` (config.py), ``ServeConfig`` (serve/http.py), ``WorkerConfig`` (serve/worker.py);
+  the engine core (engine_core.py: model/, core/, spec/) on a thread (``--in-process``: serve/async_engine.py
+  ``AsyncEngine``) or in a child process (``ProcessEngine``), behind one ``EngineHandle``;
+  the energy meter (serve/energy.py) and ``EngineService``, the HTTP face (serve/http.py: OpenAI API,
+  ``/metrics``, ``/slots``, ``/usage``, energy samples to the bus, the usage ledger);
+  with ``--nats``: the bus connection and ``BusWorker``, the bus face (serve/worker.py: ``llm.v1.gen.<id>``,
+  cancels, heartbeats, ``deadline_s``). Both faces translate requests through serve/frontend.py.
 """
 
 from __future__ import annotations
