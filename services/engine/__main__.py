@@ -10,7 +10,7 @@ LM head (it has none of its own), so ``--lm-head-draft`` is accepted and changes
 What it wires (config -> wiring -> run; the only place that configures logging):
   flags -> ``EngineConfig`` (config.py), ``ServeConfig`` (serve/http.py), ``WorkerConfig`` (serve/worker.py);
   the engine core (engine_core.py: model/, core/, spec/) on a thread (``--in-process``: serve/async_engine.py
-  ``AsyncEngine``) or in a child process (``ProcessEngine``), behind one ``EngineHandle``;
+  ``AsyncEngine``) or in a child process (serve/process_engine.py ``ProcessEngine``), behind one ``EngineHandle``;
   the energy meter (serve/energy.py) and ``EngineService``, the HTTP face (serve/http.py: OpenAI API,
   ``/metrics``, ``/slots``, ``/usage``, energy samples to the bus, the usage ledger);
   with ``--nats``: the bus connection and ``BusWorker``, the bus face (serve/worker.py: ``llm.v1.gen.<id>``,
@@ -43,9 +43,10 @@ from services.engine.engine_core import EngineCore
 from services.engine.errors import EngineError
 from services.engine.kernels.backend import BackendUnavailableError, select_backend
 from services.engine.model.artifact import materialize
-from services.engine.serve.async_engine import AsyncEngine, EngineHandle, ProcessEngine
+from services.engine.serve.async_engine import AsyncEngine, EngineHandle
 from services.engine.serve.energy import detect_meter
 from services.engine.serve.http import EngineService, ServeConfig, http_site
+from services.engine.serve.process_engine import ProcessEngine
 from services.engine.serve.worker import BusWorker, WorkerConfig
 from services.engine.spec.spec_decode import (
     DEFAULT_DRAFT_TOKENS,

@@ -32,7 +32,7 @@ class PromptEncoder(Protocol):
     """What the HTTP and bus faces need of an engine to turn a request into prompt tokens.
 
     The :class:`~services.engine.engine_core.EngineCore` is one; so is the API side of an engine whose core
-    runs in another process (:class:`services.engine.serve.async_engine.ProcessEngine`), which loads the
+    runs in another process (:class:`services.engine.serve.process_engine.ProcessEngine`), which loads the
     tokenizer but not the model.
     """
 

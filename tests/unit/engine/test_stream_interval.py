@@ -81,7 +81,7 @@ def test_steps_queued_behind_a_busy_pipe_go_as_one_message_in_order() -> None:
     import multiprocessing
     import pickle
 
-    from services.engine.serve.async_engine import _Added, _merge_steps, _PipeWriter, _Step
+    from services.engine.serve.process_engine import _Added, _merge_steps, _PipeWriter, _Step
 
     snapshots = [object(), object(), object()]
     batch = [_Step([out("a", "x", (1,), 1)], snapshots[0], False), _Step([out("b", "y", (2,), 1)], snapshots[1], True),
