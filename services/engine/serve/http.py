@@ -1,5 +1,6 @@
-"""ninfer-serve's I/O shell: the OpenAI HTTP API, the telemetry endpoints, energy sampling,
-``--metrics-state`` persistence, and (with ``--nats``) the bus worker — around one engine handle.
+"""The engine's HTTP face: the OpenAI HTTP API, the telemetry endpoints, energy sampling and
+``--metrics-state`` persistence, around one engine handle. The bus face is ``worker.py``; both translate
+requests and outputs through ``frontend.py``.
 """
 
 from __future__ import annotations
