@@ -62,7 +62,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def make_prompts(model_dir: Path, n: int, seed: int) -> list[str]:
-    from services.engine.tokenizer import Tokenizer
+    from services.engine.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     rng = random.Random(seed)

@@ -204,7 +204,7 @@ def check_elementwise(sizes: Sizes, report: Report) -> None:
 
 
 def _cache(sizes: Sizes, kv_cache_dtype: str, num_blocks: int) -> Any:
-    from services.engine.attention import KVCache, KVCacheSpec
+    from services.engine.model.attention import KVCache, KVCacheSpec
 
     spec = KVCacheSpec(num_layers=1, num_kv_heads=sizes.num_kv_heads, head_dim=sizes.head_dim,
                        block_size=sizes.block_size, dtype=sizes.dtype, kv_cache_dtype=kv_cache_dtype)  # type: ignore[arg-type]
@@ -252,8 +252,8 @@ def _scenario_tables(
 
 
 def check_attention(sizes: Sizes, report: Report) -> None:
-    from services.engine.attention import SeqSpan, TorchPagedAttention, build_attention_metadata
-    from services.engine.kernels.triton_attention import TritonPagedAttention
+    from services.engine.model.attention import SeqSpan, TorchPagedAttention, build_attention_metadata
+    from services.engine.model.triton_attention import TritonPagedAttention
 
     gen = torch.Generator().manual_seed(2)
     torch_backend, triton_backend = TorchPagedAttention(), TritonPagedAttention(**sizes.tiles)
@@ -294,8 +294,8 @@ def check_attention(sizes: Sizes, report: Report) -> None:
 
 def time_decode_attention(sizes: Sizes, report: Report) -> None:
     """Decode attention at 64 sequences (one layer: write + attention), torch path vs Triton."""
-    from services.engine.attention import SeqSpan, TorchPagedAttention, build_attention_metadata
-    from services.engine.kernels.triton_attention import TritonPagedAttention
+    from services.engine.model.attention import SeqSpan, TorchPagedAttention, build_attention_metadata
+    from services.engine.model.triton_attention import TritonPagedAttention
 
     gen = torch.Generator().manual_seed(3)
     hq, hk, d, dt = sizes.num_q_heads, sizes.num_kv_heads, sizes.head_dim, sizes.dtype
@@ -357,7 +357,7 @@ def serve(core: Any, requests: list[tuple[list[int], int]], concurrency: int, de
     """Run ``requests`` through ``core`` with at most ``concurrency`` in flight (LLM.generate's loop, with
     a deadline). Returns (output tokens, wall seconds, finished all); ``tokens`` collects each request's
     output ids by index (``"0"``, ``"1"`` …) when given."""
-    from services.engine.sampling_params import SamplingParams
+    from services.engine.core.sampling_params import SamplingParams
 
     pending = list(reversed(requests))
     active: set[str] = set()
@@ -391,8 +391,9 @@ def serve(core: Any, requests: list[tuple[list[int], int]], concurrency: int, de
 def run_throughput(sizes: Sizes, report: Report, deadline: Deadline, seed: int, workdir: Path,
                    backends: list[str]) -> Path:
     """The throughput rows; returns the checkpoint it wrote (the spec-decoding runs reuse it)."""
-    from services.engine.attention import TorchPagedAttention
-    from services.engine.engine_core import EngineConfig, EngineCore
+    from services.engine.config import EngineConfig
+    from services.engine.engine_core import EngineCore
+    from services.engine.model.attention import TorchPagedAttention
 
     t0 = time.monotonic()
     path = write_checkpoint(sizes, workdir)
@@ -427,7 +428,7 @@ def run_throughput(sizes: Sizes, report: Report, deadline: Deadline, seed: int, 
         if name == "torch":
             core.model.attention = TorchPagedAttention()
             return
-        from services.engine.kernels.triton_attention import TritonPagedAttention
+        from services.engine.model.triton_attention import TritonPagedAttention
 
         core.model.attention = TritonPagedAttention(**sizes.tiles)
 
@@ -471,8 +472,9 @@ def run_spec_decode(sizes: Sizes, report: Report, deadline: Deadline, seed: int,
     with speculation off, ``ngram`` and ``mtp`` (K=4): output tok/s and the engine's own acceptance
     counters. Random weights: the figures time the mechanism; ngram finds what the random model repeats,
     the random MTP module's drafts are essentially never accepted. A trained model's rates differ."""
-    from services.engine.engine_core import EngineConfig, EngineCore
-    from services.engine.spec_decode import SpecConfig
+    from services.engine.config import EngineConfig
+    from services.engine.engine_core import EngineCore
+    from services.engine.spec.spec_decode import SpecConfig
 
     rng = random.Random(seed + 2)
     phrase_len = min(48, sizes.max_len // 5)  # 4 phrases and a tail stay under max_len

@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.engine.llm import LLM, greedy
-from services.engine.spec_decode import SpecConfig, SpecDecodeStats
+from services.engine.spec.spec_decode import SpecConfig, SpecDecodeStats
 from services.engine.tiny_checkpoint import mirror_mtp, write_tiny_checkpoint
 
 CODE = '''def fib(n):

@@ -1,7 +1,7 @@
 """The counter rules: the energy between two cumulative readings of one device. Pure: no I/O, no clock.
 
 Two places take deltas of the same raw counters: the engine's own ``GET /usage`` energy
-(``services/engine/energy.py``, ``EnergyTracker``) and the accounting ledger's intervals
+(``services/engine/serve/energy.py``, ``EnergyTracker``) and the accounting ledger's intervals
 (``services/accounting/intervals.py``). Two copies of these rules drift apart, and an operator then sees two
 kWh figures for one counter (issue 22). Services never import each other; ``services/common/`` is the one
 small runtime they share (docs/architecture.md, "Packages"), so the one copy lives here, as

@@ -1,7 +1,7 @@
 """Prometheus text exposition (format 0.0.4) and histograms, for every service's ``/metrics``. Pure.
 
 (The engine exposes three families of names at once so existing dashboards read it unchanged:
-``vllm:*``, ``llamacpp:*`` and ``ninfer:*``; see services/engine/views.py.)
+``vllm:*``, ``llamacpp:*`` and ``ninfer:*``; see services/engine/serve/views.py.)
 """
 
 from __future__ import annotations

@@ -6,6 +6,15 @@ built yet stop the start with a message saying so; none is silently ignored. ``-
 draft --draft-model PATH`` and ``--spec mtp`` serve; ``--spec mtp`` on a checkpoint without ``mtp.*``
 tensors fails at start naming the alternatives. With ``--spec mtp`` the MTP module always uses the main
 LM head (it has none of its own), so ``--lm-head-draft`` is accepted and changes nothing.
+
+What it wires (config -> wiring -> run; the only place that configures logging):
+  flags -> ``EngineConfig`` (config.py), ``ServeConfig`` (serve/http.py), ``WorkerConfig`` (serve/worker.py);
+  the engine core (engine_core.py: model/, core/, spec/) on a thread (``--in-process``: serve/async_engine.py
+  ``AsyncEngine``) or in a child process (serve/process_engine.py ``ProcessEngine``), behind one ``EngineHandle``;
+  the energy meter (serve/energy.py) and ``EngineService``, the HTTP face (serve/http.py: OpenAI API,
+  ``/metrics``, ``/slots``, ``/usage``, energy samples to the bus, the usage ledger);
+  with ``--nats``: the bus connection and ``BusWorker``, the bus face (serve/worker.py: ``llm.v1.gen.<id>``,
+  cancels, heartbeats, ``deadline_s``). Both faces translate requests through serve/frontend.py.
 """
 
 from __future__ import annotations
@@ -29,21 +38,23 @@ from services.common.runtime import (
     run_async_main,
     setup_logging,
 )
-from services.engine.artifact import materialize
-from services.engine.async_engine import AsyncEngine, EngineHandle, ProcessEngine
-from services.engine.energy import detect_meter
-from services.engine.engine_core import EngineConfig, EngineCore
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore
 from services.engine.errors import EngineError
 from services.engine.kernels.backend import BackendUnavailableError, select_backend
-from services.engine.service import EngineService, ServeConfig, http_site
-from services.engine.spec_decode import (
+from services.engine.model.artifact import materialize
+from services.engine.serve.async_engine import AsyncEngine, EngineHandle
+from services.engine.serve.energy import detect_meter
+from services.engine.serve.http import EngineService, ServeConfig, http_site
+from services.engine.serve.process_engine import ProcessEngine
+from services.engine.serve.worker import BusWorker, WorkerConfig
+from services.engine.spec.spec_decode import (
     DEFAULT_DRAFT_TOKENS,
     MAX_DRAFT_TOKENS,
     MIN_DRAFT_TOKENS,
     SPEC_METHODS,
     SpecConfig,
 )
-from services.engine.worker import BusWorker, WorkerConfig
 
 log = logging.getLogger("ninfer.serve")
 

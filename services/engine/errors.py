@@ -8,6 +8,7 @@ messages::
     ├── ModelLoadError                a checkpoint directory cannot be used (``path``, ``reason``)
     │   └── UnsupportedArchitectureError   config.json names a model family we do not implement
     ├── SpeculativeDecodingError      the speculative-decoding settings cannot be served (``reason``)
+    ├── DeadlineExceededError         the request's ``deadline_s`` passed before it produced anything
     └── ChatTemplateError (ValueError) the chat template failed to render for these messages
 
 Errors that are programming mistakes inside the engine (a block table shorter than its sequence, say)
@@ -129,3 +130,14 @@ class SpeculativeDecodingError(EngineError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"speculative decoding: {reason}")
         self.reason = reason
+
+
+class DeadlineExceededError(EngineError):
+    """The request's ``deadline_s`` (absolute UTC, ``time.time()``) passed before it produced anything: the
+    gateway has given up on it, so the bus worker drops it (before admission, or still queued) with a 504."""
+
+    def __init__(self, deadline_s: float, now_s: float, where: str) -> None:
+        super().__init__(f"deadline exceeded {now_s - deadline_s:.3f} s ago, {where}")
+        self.deadline_s = deadline_s
+        self.now_s = now_s
+        self.where = where

@@ -12,8 +12,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from services.engine.engine_core import EngineConfig, EngineCore, RequestTimings
-from services.engine.sampling_params import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.engine_core import EngineCore
+from services.engine.outputs import RequestTimings
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class LLM:
         ids = []
         pending: list[tuple[str, list[int], SamplingParams]] = []
         for prompt, p in zip(prompts, params, strict=True):
-            token_ids = self.core.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+            token_ids = self.core.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{self._next_id}"
             self._next_id += 1
             ids.append(rid)

@@ -33,9 +33,10 @@ from services.accounting.service import AccountingConfig, AccountingService
 from services.common.bus import connect, ensure_bus
 from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer
-from services.engine.async_engine import AsyncEngine
-from services.engine.engine_core import EngineConfig, EngineCore
-from services.engine.worker import BusWorker, WorkerConfig
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore
+from services.engine.serve.async_engine import AsyncEngine
+from services.engine.serve.worker import BusWorker, WorkerConfig
 from services.gateway.identity import hash_password
 from services.gateway.load_score import stale_limit_s
 from services.gateway.service import GatewayConfig, GatewayService

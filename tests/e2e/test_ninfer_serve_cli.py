@@ -19,7 +19,7 @@ RUNBOOK_FLAGS = ["--host", "127.0.0.1", "--port", "0", "--model-id", "qwen3.8-27
 def test_convert_then_serve_the_single_file_artifact_with_the_runbook_flags(tiny_model: Path,
                                                                            tmp_path: Path) -> None:
     artifact = tmp_path / "tiny.ninfer"
-    out = subprocess.run([sys.executable, "-m", "services.engine.artifact", "convert", str(tiny_model),
+    out = subprocess.run([sys.executable, "-m", "services.engine.model.artifact", "convert", str(tiny_model),
                           str(artifact)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     state = tmp_path / "metrics-state.json"

@@ -33,7 +33,7 @@ CONFIG_KILLS = 20
 METRICS_WRITER = """
 import sys
 from pathlib import Path
-from services.engine.usage_ledger import UsageLedger, save_state
+from services.engine.serve.usage_ledger import UsageLedger, save_state
 path = Path(sys.argv[1])
 ledger = UsageLedger(0.125)
 for v in range(1, 10**9):
@@ -85,7 +85,7 @@ def _kill_loop(script: str, path: Path, rng: random.Random, *args: str, kills: i
 
 @pytest.mark.slow
 def test_kill_9_during_metrics_state_writes_leaves_the_old_or_the_new_state(tmp_path: Path) -> None:
-    from services.engine.usage_ledger import load_state
+    from services.engine.serve.usage_ledger import load_state
 
     path = tmp_path / "metrics-state.json"
     for last_done, _ in _kill_loop(METRICS_WRITER, path, random.Random(12)):

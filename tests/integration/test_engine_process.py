@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.async_engine import AsyncEngine, ProcessEngine
-from services.engine.engine_core import EngineConfig, EngineCore
+from services.engine.config import EngineConfig
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.engine_core import EngineCore
 from services.engine.errors import ModelLoadError, QueueFullError, SpeculativeDecodingError
-from services.engine.sampling_params import SamplingParams
-from services.engine.spec_decode import SpecConfig
+from services.engine.serve.async_engine import AsyncEngine
+from services.engine.serve.process_engine import ProcessEngine
+from services.engine.spec.spec_decode import SpecConfig
 from tests.conftest import LONG_GENERATION_TOKENS
 
 
@@ -95,7 +97,7 @@ async def test_a_dead_child_ends_every_open_stream_and_marks_the_engine_failed(t
 
 def test_the_cpu_child_starts_with_short_openmp_spins_unless_the_operator_chose(monkeypatch: pytest.MonkeyPatch,
                                                                                 tmp_path: Path) -> None:
-    from services.engine.async_engine import CPU_SPINCOUNT, _child_environment
+    from services.engine.serve.process_engine import CPU_SPINCOUNT, _child_environment
 
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)

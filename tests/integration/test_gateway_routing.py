@@ -30,11 +30,13 @@ from proto import subjects
 from services.common.bus import connect, ensure_bus
 from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer
-from services.engine.async_engine import AsyncEngine
-from services.engine.energy import UnavailableMeter
-from services.engine.engine_core import EngineConfig, EngineCore, RequestOutput
-from services.engine.service import EngineService, ServeConfig, http_site
-from services.engine.worker import BusWorker, WorkerConfig
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore
+from services.engine.outputs import RequestOutput
+from services.engine.serve.async_engine import AsyncEngine
+from services.engine.serve.energy import UnavailableMeter
+from services.engine.serve.http import EngineService, ServeConfig, http_site
+from services.engine.serve.worker import BusWorker, WorkerConfig
 from services.gateway.service import GatewayConfig, GatewayService
 from services.telemetry.probe import Member
 from services.telemetry.service import TelemetryConfig, TelemetryService

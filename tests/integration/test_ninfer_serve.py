@@ -15,11 +15,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto import EnergySample, decode, subjects
-from services.engine.async_engine import AsyncEngine
-from services.engine.energy import ReplayMeter, UnavailableMeter
-from services.engine.engine_core import EngineConfig, EngineCore
-from services.engine.service import EngineService, ServeConfig, http_site
-from services.engine.usage_ledger import utc_day
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore
+from services.engine.serve.async_engine import AsyncEngine
+from services.engine.serve.energy import ReplayMeter, UnavailableMeter
+from services.engine.serve.http import EngineService, ServeConfig, http_site
+from services.engine.serve.usage_ledger import utc_day
 from tests.conftest import LONG_GENERATION_TOKENS
 from tests.integration.conftest import wait_for
 

@@ -32,7 +32,7 @@ from services.accounting.service import AccountingService
 from services.common.bus import connect
 from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer
-from services.engine.engine_core import RequestOutput
+from services.engine.outputs import RequestOutput
 from services.gateway import pools
 from services.gateway.identity import hash_password
 from services.gateway.service import GatewayConfig, GatewayService

@@ -29,7 +29,7 @@ from services.common.energy_counter import (
     counter_delta,
     epoch_us,
 )
-from services.engine.energy import DeviceReading, EnergyTracker, IntervalEnergy, RaplMeter, total_energy_j
+from services.engine.serve.energy import DeviceReading, EnergyTracker, IntervalEnergy, RaplMeter, total_energy_j
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 RNG_MJ = 262_143_328  # an Intel package zone's max_energy_range_uj = 262,143,328,850, in mJ

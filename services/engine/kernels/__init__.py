@@ -1,10 +1,12 @@
 """Triton kernels for the engine's CUDA path, and the torch references they are tested against.
 
 Every kernel here has an oracle in torch: the attention kernels are checked against
-``services.engine.attention.TorchPagedAttention`` (and ``KVCache.write`` for the cache write), the
-elementwise kernels against :mod:`services.engine.kernels.reference`, which follows ``model.py``'s numerics
-op for op. The tests run the kernels on CPU under ``TRITON_INTERPRET=1`` (tests/unit/engine/
-test_triton_kernels.py); ``bench/gpu_bench.py`` repeats the comparison on a GPU at realistic sizes.
+``services.engine.model.attention.TorchPagedAttention`` (and ``KVCache.write`` for the cache write), the
+elementwise kernels against :mod:`services.engine.kernels.reference`, which follows ``model.py``'s
+numerics op for op. The backend built from them (``TritonPagedAttention``) and the CUDA-graph buffers
+live in ``services/engine/model/``: they are model wiring, not kernels. The tests run the kernels on CPU
+under ``TRITON_INTERPRET=1`` (tests/unit/engine/test_triton_kernels.py); ``bench/gpu_bench.py`` repeats
+the comparison on a GPU at realistic sizes.
 
 Modules (one noun each):
   backend.py          which backend a device gets ("triton" on CUDA when triton imports, else "torch")
@@ -12,11 +14,10 @@ Modules (one noun each):
   kv_write.py         scatter new K/V into cache slots, fp8 quantisation included
   decode_attention.py split-KV (flash-decoding) paged attention for one-token queries, GQA-grouped
   extend_attention.py causal attention of a chunk of new tokens over the paged cache (prefill, verify)
-  triton_attention.py TritonPagedAttention: the AttentionBackend built from the three kernels above
   rms_norm.py         RMSNorm, optionally fused with the residual add
   rope.py             neox-style rotary embedding from a cos/sin cache, in place on q and k
   activation.py       SiLU-and-mul (SwiGLU's gate)
-  cuda_graphs.py      batch-size buckets and static buffers for CUDA-graph decode
+  fp8.py              the fp8 KV format (FP8_DTYPE, FP8_MAX) the kernels and the KV cache share
   cpu_kernels.py      not Triton: the CPU path's compiled C++ (cpu_kernels.cpp, built on first use with
                       torch.utils.cpp_extension): the whole decoder forward of a step in one call, and
                       the decode attention, RMSNorm, q/k norm + RoPE and argmax on their own; oracles:

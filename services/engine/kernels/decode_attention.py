@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.attention import FP8_DTYPE
+from services.engine.kernels.fp8 import FP8_DTYPE
 
 LOG2E = 1.4426950408889634
 MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16 on NVIDIA GPUs

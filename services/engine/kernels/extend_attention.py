@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.attention import FP8_DTYPE
 from services.engine.kernels.decode_attention import LOG2E, MIN_DOT_ROWS, _load_kv_tile
+from services.engine.kernels.fp8 import FP8_DTYPE
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.attention import FP8_DTYPE, FP8_MAX
+from services.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Torch references for the elementwise kernels: the oracles the Triton kernels are tested against.
 
-Numerics follow ``services/engine/model.py`` (itself transformers' eager order): RMSNorm computes in
+Numerics follow ``services/engine/model/model.py`` (itself transformers' eager order): RMSNorm computes in
 float32 and casts the normalised value back before the weight multiply; the residual add happens in the
 activation dtype; SiLU rounds to the activation dtype before the multiply. RoPE is the neox layout
 (rotate the two halves of each head) computed in float32 from a float32 cos/sin cache and rounded once,

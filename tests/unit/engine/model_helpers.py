@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from services.engine.attention import KVCache, KVCacheSpec
-from services.engine.loader import load_model
-from services.engine.model import CausalLM
-from services.engine.model_config import ModelConfig
-from services.engine.model_runner import ModelRunner, RunnerSeq
+from services.engine.model.attention import KVCache, KVCacheSpec
+from services.engine.model.loader import load_model
+from services.engine.model.model import CausalLM
+from services.engine.model.model_config import ModelConfig
+from services.engine.model.model_runner import ModelRunner, RunnerSeq
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

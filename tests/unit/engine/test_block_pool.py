@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.engine.block_pool import NULL_BLOCK_ID, BlockPool, HashFn, hash_block_tokens
+from services.engine.core.block_pool import NULL_BLOCK_ID, BlockPool, HashFn, hash_block_tokens
+from services.engine.core.request import Request
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.core.scheduler import Scheduler, SchedulerConfig
 from services.engine.errors import ContextLengthExceededError, QueueFullError
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerConfig
 
 BS = 4  # block size used by the hand-written tests
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine import model as model_module
 from services.engine.kernels import cpu_kernels
-from services.engine.loader import load_model
-from services.engine.model import CausalLM
-from services.engine.model_runner import ModelRunner, RunnerSeq
-from services.engine.sampler import argmax
+from services.engine.model import model as model_module
+from services.engine.model.loader import load_model
+from services.engine.model.model import CausalLM
+from services.engine.model.model_runner import ModelRunner, RunnerSeq
+from services.engine.model.sampler import argmax
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.engine.model_helpers import make_runner, reversed_blocks
 
@@ -89,7 +89,7 @@ def test_the_compiled_decoder_computes_what_the_torch_path_computes(checkpoint: 
 
 @needs_kernel
 def test_the_module_forward_runs_the_compiled_decoder_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.engine.attention import SeqSpan, build_attention_metadata
+    from services.engine.model.attention import SeqSpan, build_attention_metadata
 
     model, config = load_model(write_tiny_checkpoint(tmp_path, "qwen3"))
     runner = make_runner(model, config)
@@ -102,7 +102,7 @@ def test_the_module_forward_runs_the_compiled_decoder_too(tmp_path: Path, monkey
 
 
 def test_a_handed_in_backend_an_fp8_cache_or_bf16_keep_the_torch_path(tmp_path: Path) -> None:
-    from services.engine.attention import TorchPagedAttention
+    from services.engine.model.attention import TorchPagedAttention
 
     path = write_tiny_checkpoint(tmp_path, "qwen3")
     model, config = load_model(path)

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from services.engine.attention import KVCache, KVCacheSpec, SeqSpan, TorchPagedAttention, build_attention_metadata
 from services.engine.kernels import cpu_kernels
+from services.engine.model.attention import KVCache, KVCacheSpec, SeqSpan, TorchPagedAttention, build_attention_metadata
 
 fused = cpu_kernels.fused_decode()
 # Under CI (.ci/run installs g++ and sets LLMGW_CI=1) a kernel that cannot be built fails instead of skipping.
@@ -146,7 +146,7 @@ def test_the_ninja_wheel_is_put_on_path_when_no_ninja_is_there(monkeypatch: pyte
 @needs_kernel
 @pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), [(8, 4, 32), (16, 8, 64), (4, 1, 8)])
 def test_the_compiled_qk_norm_and_rope_equal_the_torch_ops(q_heads: int, kv_heads: int, dim: int) -> None:
-    from services.engine import model
+    from services.engine.model import model
 
     assert fused is not None and cpu_kernels.qk_norm_rope is not None
     torch.manual_seed(4)

@@ -1,4 +1,4 @@
-"""CUDA-graph decode bucketing and padding (services/engine/kernels/cuda_graphs.py), on CPU.
+"""CUDA-graph decode bucketing and padding (services/engine/model/cuda_graphs.py), on CPU.
 
 Capture and replay need a GPU and are exercised by bench/gpu_bench.py; here: which bucket a batch lands
 in, what the padded rows contain (slot -1 so the cache is never written, seq_len 0 so attention reads
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.kernels.cuda_graphs import (
+from services.engine.model.cuda_graphs import (
     PAD_SLOT,
     DecodeGraphRunner,
     DecodeInputs,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from services.engine.llm import LLM, greedy
-from services.engine.tokenizer import Tokenizer
+from services.engine.model.tokenizer import Tokenizer
 from tests.unit.engine.model_helpers import hf_greedy, hf_model
 
 DEMO_MODEL = Path(__file__).resolve().parents[3] / "models" / "demo-qwen3"

@@ -12,7 +12,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from services.engine.energy import (
+from services.engine.serve.energy import (
     DeviceReading,
     EnergyTracker,
     NvmlMeter,

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.engine_core import EngineConfig, EngineCore
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore
 from services.engine.errors import ContextLengthExceededError, QueueFullError
 from services.engine.llm import greedy
 from services.engine.tiny_checkpoint import write_tiny_checkpoint

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.attention import KVCache, KVCacheSpec, SeqSpan, build_attention_metadata
-from services.engine.loader import load_model
+from services.engine.model.attention import KVCache, KVCacheSpec, SeqSpan, build_attention_metadata
+from services.engine.model.loader import load_model
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.engine.model_helpers import PROMPT, make_runner, reversed_blocks, runner_greedy
 
@@ -124,7 +124,7 @@ def test_decode_rows_grouped_by_context_length_give_the_one_batch_answer(kv_dtyp
     result must equal one batch padded to the overall longest (and each row attended alone)."""
     from dataclasses import replace
 
-    from services.engine.attention import TorchPagedAttention
+    from services.engine.model.attention import TorchPagedAttention
 
     torch.manual_seed(0)
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32,

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.engine.errors import ModelLoadError, UnsupportedArchitectureError
-from services.engine.loader import load_model
-from services.engine.model_runner import RunnerSeq
+from services.engine.model.loader import load_model
+from services.engine.model.model_runner import RunnerSeq
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.engine.model_helpers import PROMPT, make_runner
 

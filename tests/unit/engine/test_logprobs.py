@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.engine_core import EngineConfig, EngineCore, RequestOutput
-from services.engine.sampling_params import SamplingParams
-from services.engine.spec_decode import SpecConfig
+from services.engine.config import EngineConfig
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.engine_core import EngineCore
+from services.engine.outputs import RequestOutput
+from services.engine.serve.frontend import output_chunk
+from services.engine.spec.spec_decode import SpecConfig
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
-from services.engine.worker import output_chunk
 from tests.unit.engine.model_helpers import hf_logits, hf_model
 
 PROMPTS = [[5, 17, 300, 42, 99, 7, 8, 200], [9, 10, 11, 12, 9, 10, 11, 12, 9, 10], [100, 101, 102]]

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from services.engine.errors import ModelLoadError, UnsupportedArchitectureError
-from services.engine.model_config import ModelConfig, RopeScaling
+from services.engine.model.model_config import ModelConfig, RopeScaling
 
 
 def _config(arch: str = "Qwen3ForCausalLM", **overrides: Any) -> dict[str, Any]:

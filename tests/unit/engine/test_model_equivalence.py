@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.attention import SeqSpan, build_attention_metadata
-from services.engine.loader import load_model
-from services.engine.model_runner import RunnerSeq
+from services.engine.model.attention import SeqSpan, build_attention_metadata
+from services.engine.model.loader import load_model
+from services.engine.model.model_runner import RunnerSeq
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.engine.model_helpers import (
     PROMPT,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.loader import load_model
-from services.engine.model_runner import ModelRunner, RunnerSeq
+from services.engine.model.loader import load_model
+from services.engine.model.model_runner import ModelRunner, RunnerSeq
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.engine.model_helpers import make_runner
 

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.engine_core import EngineConfig, EngineCore
+from services.engine.config import EngineConfig
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.engine_core import EngineCore
 from services.engine.errors import InvalidParameterError
-from services.engine.sampler import History, Sampler, apply_penalties
-from services.engine.sampling_params import SamplingParams
-from services.engine.spec_decode import SpecConfig
+from services.engine.model.sampler import History, Sampler, apply_penalties
+from services.engine.spec.spec_decode import SpecConfig
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.engine.model_helpers import hf_logits, hf_model
 

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from services.engine.core.sampling_params import SamplingParams
 from services.engine.errors import InvalidParameterError
-from services.engine.sampler import Sampler, apply_top_k_top_p
-from services.engine.sampling_params import SamplingParams
+from services.engine.model.sampler import Sampler, apply_top_k_top_p
 
 VOCAB = 50
 

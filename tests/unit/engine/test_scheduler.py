@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from services.engine.core.request import Request, RequestStatus
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
     InvalidParameterError,
     QueueFullError,
 )
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 EOS = 2
 TOKEN = 5  # what the fake model always samples unless told otherwise

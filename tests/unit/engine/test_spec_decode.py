@@ -23,19 +23,21 @@ from safetensors.torch import load_file, save_file
 
 from services.common.runtime import ConfigError
 from services.engine.__main__ import add_arguments, build_config
-from services.engine.block_pool import BlockPool
-from services.engine.engine_core import EngineConfig, EngineCore, RequestOutput
+from services.engine.config import EngineConfig
+from services.engine.core.block_pool import BlockPool
+from services.engine.core.request import Request
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.core.scheduler import Scheduler, SchedulerConfig
+from services.engine.engine_core import EngineCore
 from services.engine.errors import ModelLoadError, SpeculativeDecodingError
 from services.engine.llm import greedy
-from services.engine.rejection_sampler import verify_greedy, verify_random
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerConfig
-from services.engine.spec_decode import SpecConfig, SpecDecodeCounters, propose_ngram
+from services.engine.outputs import RequestOutput
+from services.engine.serve.frontend import output_chunk
+from services.engine.serve.usage_ledger import UsageLedger
+from services.engine.serve.views import RequestStats, metrics_text, usage_body
+from services.engine.spec.rejection_sampler import verify_greedy, verify_random
+from services.engine.spec.spec_decode import SpecConfig, SpecDecodeCounters, propose_ngram
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
-from services.engine.usage_ledger import UsageLedger
-from services.engine.views import RequestStats, metrics_text, usage_body
-from services.engine.worker import output_chunk
 from tests.unit.engine.fake_clock import FakeClock
 
 BLOCK_SIZE = 4

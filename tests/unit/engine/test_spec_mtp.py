@@ -21,15 +21,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from services.engine.__main__ import add_arguments, build_config
-from services.engine.artifact import pack
-from services.engine.draft_model import DraftTarget
-from services.engine.engine_core import RequestOutput
+from services.engine.core.sampling_params import SamplingParams
 from services.engine.errors import ModelLoadError, SpeculativeDecodingError
-from services.engine.loader import load_model
-from services.engine.model_runner import RunnerSeq
-from services.engine.mtp_proposer import MTPProposer, MTPRows
-from services.engine.sampling_params import SamplingParams
-from services.engine.spec_decode import SpecConfig
+from services.engine.model.artifact import pack
+from services.engine.model.loader import load_model
+from services.engine.model.model_runner import RunnerSeq
+from services.engine.outputs import RequestOutput
+from services.engine.spec.draft_model import DraftTarget
+from services.engine.spec.mtp_proposer import MTPProposer, MTPRows
+from services.engine.spec.spec_decode import SpecConfig
 from services.engine.tiny_checkpoint import mirror_mtp, write_tiny_checkpoint
 from tests.unit.engine.model_helpers import make_runner, reversed_blocks
 from tests.unit.engine.test_spec_decode import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.stop_checker import StopChecker, StopScan, scan_stop
+from services.engine.core.stop_checker import StopChecker, StopScan, scan_stop
 
 
 def test_a_stop_string_spanning_two_deltas_stops_and_is_never_emitted() -> None:

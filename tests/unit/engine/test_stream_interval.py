@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.engine.async_engine import StreamInterval
-from services.engine.engine_core import RequestOutput
+from services.engine.outputs import RequestOutput
+from services.engine.serve.async_engine import StreamInterval
 
 
 def out(rid: str, text: str, ids: tuple[int, ...], n_out: int, finish: str | None = None) -> RequestOutput:
@@ -65,7 +65,7 @@ def test_one_clock_for_all_requests() -> None:
 def test_held_outputs_keep_their_logprobs_in_order() -> None:
     from dataclasses import replace
 
-    from services.engine.sampler import TokenLogprobs
+    from services.engine.model.sampler import TokenLogprobs
 
     def lp(token: int) -> TokenLogprobs:
         return TokenLogprobs(token, -0.1 * token, ((token, -0.1 * token),))
@@ -81,7 +81,7 @@ def test_steps_queued_behind_a_busy_pipe_go_as_one_message_in_order() -> None:
     import multiprocessing
     import pickle
 
-    from services.engine.async_engine import _Added, _merge_steps, _PipeWriter, _Step
+    from services.engine.serve.process_engine import _Added, _merge_steps, _PipeWriter, _Step
 
     snapshots = [object(), object(), object()]
     batch = [_Step([out("a", "x", (1,), 1)], snapshots[0], False), _Step([out("b", "y", (2,), 1)], snapshots[1], True),

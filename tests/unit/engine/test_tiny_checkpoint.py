@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from services.engine.model.tokenizer import Tokenizer
 from services.engine.tiny_checkpoint import main, write_tiny_checkpoint
-from services.engine.tokenizer import Tokenizer
 
 
 def test_the_same_seed_writes_byte_identical_files(tmp_path: Path) -> None:

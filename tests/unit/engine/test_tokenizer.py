@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from services.engine.errors import ChatTemplateError, ModelLoadError
+from services.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer, strip_thinking
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
-from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer, strip_thinking
 
 MULTIBYTE = "héllo 世界 🎉 𝄞 naïve"
 

@@ -38,7 +38,7 @@ _KERNEL_MODULES = (
     "services.engine.kernels.kv_write",
     "services.engine.kernels.decode_attention",
     "services.engine.kernels.extend_attention",
-    "services.engine.kernels.triton_attention",
+    "services.engine.model.triton_attention",
 )
 
 
@@ -78,16 +78,6 @@ _import_interpreted()
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from services.engine import model as model_module  # noqa: E402
-from services.engine.attention import (  # noqa: E402
-    FP8_DTYPE,
-    FP8_MAX,
-    KVCache,
-    KVCacheSpec,
-    SeqSpan,
-    TorchPagedAttention,
-    build_attention_metadata,
-)
 from services.engine.kernels import reference  # noqa: E402
 from services.engine.kernels.activation import silu_and_mul  # noqa: E402
 from services.engine.kernels.decode_attention import (  # noqa: E402
@@ -98,7 +88,17 @@ from services.engine.kernels.decode_attention import (  # noqa: E402
 from services.engine.kernels.kv_write import write_kv  # noqa: E402
 from services.engine.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from services.engine.kernels.rope import rope_  # noqa: E402
-from services.engine.kernels.triton_attention import TritonPagedAttention  # noqa: E402
+from services.engine.model import model as model_module  # noqa: E402
+from services.engine.model.attention import (  # noqa: E402
+    FP8_DTYPE,
+    FP8_MAX,
+    KVCache,
+    KVCacheSpec,
+    SeqSpan,
+    TorchPagedAttention,
+    build_attention_metadata,
+)
+from services.engine.model.triton_attention import TritonPagedAttention  # noqa: E402
 
 # (atol, rtol). bf16's are wide because the interpreter's float32 -> bfloat16 cast truncates instead of
 # rounding to nearest (518 of 1024 randn values differ from torch's cast with triton 3.9.0; fp16 casts are
@@ -401,7 +401,7 @@ def test_default_num_splits_fills_the_gpu_but_keeps_splits_at_least_256_tokens_l
 def test_a_padded_decode_batch_gives_the_real_rows_the_unpadded_answer_and_leaves_the_cache_alone() -> None:
     # What a CUDA graph bucket does to 2 real decode rows padded to 4 (kernels/cuda_graphs.py): padded rows
     # have slot -1 (no write) and seq_len 0 (zero output), and the real rows are unaffected.
-    from services.engine.kernels.cuda_graphs import DecodeInputs, StaticDecodeBuffers, decode_metadata
+    from services.engine.model.cuda_graphs import DecodeInputs, StaticDecodeBuffers, decode_metadata
 
     dtype = torch.float16
     want_cache, got_cache = _filled_cache(dtype, "auto", 13), _filled_cache(dtype, "auto", 13)
@@ -478,8 +478,8 @@ def test_decode_steps_through_the_graph_runner_path_give_the_eager_tokens(tmp_pa
     the static-input path a CUDA graph replays (DecodeInputs, decode_metadata, a fixed split count per
     bucket) and must give the same greedy tokens as the eager path; and a bucket's padded rows must not
     change the real rows' logits."""
-    from services.engine.kernels.cuda_graphs import StaticDecodeBuffers
     from services.engine.llm import LLM, greedy
+    from services.engine.model.cuda_graphs import StaticDecodeBuffers
     from services.engine.tiny_checkpoint import write_tiny_checkpoint
 
     model = write_tiny_checkpoint(tmp_path / "qwen3", arch="qwen3")
@@ -501,7 +501,7 @@ def test_decode_steps_through_the_graph_runner_path_give_the_eager_tokens(tmp_pa
     # Padding: 2 real rows in a bucket of 4 give the logits of the 2 rows alone, and write no cache block.
     bs = llm.core.config.block_size
     rows = [(5, 9, [1, 2, 3]), (7, 2, [4, 5])]  # (token, position, block table)
-    from services.engine.kernels.cuda_graphs import DecodeInputs
+    from services.engine.model.cuda_graphs import DecodeInputs
 
     inputs = DecodeInputs(
         input_ids=torch.tensor([r[0] for r in rows]), positions=torch.tensor([r[1] for r in rows]),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.usage_ledger import (
+from services.engine.serve.usage_ledger import (
     InvalidMetricsStateError,
     UsageLedger,
     load_state,
@@ -218,7 +218,7 @@ def test_a_corrupt_state_file_is_renamed_aside_and_an_empty_ledger_returned(
 ) -> None:
     path = tmp_path / "metrics-state.json"
     path.write_text(content)
-    with caplog.at_level(logging.WARNING, logger="services.engine.usage_ledger"):
+    with caplog.at_level(logging.WARNING, logger="services.engine.serve.usage_ledger"):
         ledger = load_state(path, rate_usd_per_kwh=RATE, now_s=NOW_S)
     assert ledger.daily() == {}
     assert not path.exists()

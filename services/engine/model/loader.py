@@ -25,9 +25,9 @@ from safetensors import SafetensorError, safe_open
 
 from services.engine.errors import ModelLoadError
 from services.engine.kernels.backend import Backend
-from services.engine.model import CausalLM, DecoderLayer, prepack_linear_weights
-from services.engine.model_config import DTYPES, ModelConfig
-from services.engine.mtp_head import MTP_PREFIX, MTPHead
+from services.engine.model.model import CausalLM, DecoderLayer, prepack_linear_weights
+from services.engine.model.model_config import DTYPES, ModelConfig
+from services.engine.model.mtp_head import MTP_PREFIX, MTPHead
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -39,11 +39,11 @@ from pathlib import Path
 
 import torch
 
-from services.engine.attention import KVCache, KVCacheDtype, KVCacheSpec, SeqSpan, build_attention_metadata
-from services.engine.draft_model import DraftProposal, DraftTarget, sample_draft
-from services.engine.loader import load_mtp_head
-from services.engine.model import CausalLM
-from services.engine.model_config import ModelConfig
+from services.engine.model.attention import KVCache, KVCacheDtype, KVCacheSpec, SeqSpan, build_attention_metadata
+from services.engine.model.loader import load_mtp_head
+from services.engine.model.model import CausalLM
+from services.engine.model.model_config import ModelConfig
+from services.engine.spec.draft_model import DraftProposal, DraftTarget, sample_draft
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.attention import AttentionMetadata, KVCache
 from services.engine.kernels.decode_attention import decode_attention, default_num_splits
 from services.engine.kernels.extend_attention import extend_attention
 from services.engine.kernels.kv_write import write_kv
+from services.engine.model.attention import AttentionMetadata, KVCache
 
 
 class TritonPagedAttention:

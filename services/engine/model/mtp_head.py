@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.attention import AttentionMetadata, KVCache
-from services.engine.model import CausalLM, DecoderLayer, RMSNorm, linear, rms_norm, rope_tables
-from services.engine.model_config import ModelConfig
+from services.engine.model.attention import AttentionMetadata, KVCache
+from services.engine.model.model import CausalLM, DecoderLayer, RMSNorm, linear, rms_norm, rope_tables
+from services.engine.model.model_config import ModelConfig
 
 MTP_PREFIX = "mtp."
 

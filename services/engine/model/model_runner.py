@@ -12,16 +12,20 @@ prefill chunks, speculative verification and MTP steps (which need the hidden st
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from services.engine.attention import KVCache, SeqSpan, build_attention_metadata
-from services.engine.kernels.cuda_graphs import DecodeGraphRunner, DecodeInputs, decode_metadata
-from services.engine.model import CausalLM
-from services.engine.model_config import ModelConfig
+from services.engine.model.attention import KVCache, SeqSpan, build_attention_metadata
+from services.engine.model.cuda_graphs import DecodeGraphRunner, DecodeInputs, decode_metadata
+from services.engine.model.model import CausalLM
+from services.engine.model.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class StepSeq(Protocol):
@@ -179,3 +183,22 @@ class ModelRunner:
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
             return self.model.forward_logits(ids, positions, meta, self.kv_cache, rows)
+
+
+def capture_decode_graphs(runner: ModelRunner, *, enabled: bool, device: torch.device, backend: str,
+                          max_batch_size: int, max_context: int) -> str:
+    """Capture the runner's decode graphs where they apply; what happened, for the startup line."""
+    if not enabled:
+        return "off (--no-cuda-graphs)"
+    if device.type != "cuda" or backend != "triton":
+        return f"off ({device.type}, {backend} backend)"
+    started = time.monotonic()
+    try:
+        runner.enable_decode_graphs(max_batch_size, max_context)
+    except Exception as exc:  # eager decoding still works: say why and go on
+        runner.graphs = None
+        log.warning("CUDA graphs off: capture failed: %s", exc)
+        return f"off (capture failed: {type(exc).__name__})"
+    assert runner.graphs is not None
+    sizes = runner.graphs.sizes
+    return f"on (decode batch sizes {', '.join(map(str, sizes))}; captured in {time.monotonic() - started:.1f} s)"

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
 from services.engine.kernels import cpu_kernels as cpu_kernels
 from services.engine.kernels.backend import Backend
-from services.engine.model_config import ModelConfig
+from services.engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
+from services.engine.model.model_config import ModelConfig
 
 # oneDNN's fp32 GEMM (the kernel inductor picks on CPU) against MKL's, which F.linear calls: on the bench
 # machine (AMD EPYC, 2 cores) oneDNN is 1.5-2.8x faster for every step-sized shape except one-row products
@@ -289,7 +289,7 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder-only LM. Parameters are allocated uninitialised; ``services.engine.loader`` fills them.
+    """Decoder-only LM. Parameters are allocated uninitialised; ``services.engine.model.loader`` fills them.
 
     ``attention`` is the backend every layer calls (TorchPagedAttention unless told otherwise).
     """
@@ -310,7 +310,7 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.backend = backend
         if attention is None and backend == "triton":
-            from services.engine.kernels.triton_attention import TritonPagedAttention
+            from services.engine.model.triton_attention import TritonPagedAttention
 
             attention = TritonPagedAttention()
         if attention is None and torch.device(device).type == "cpu" and dtype == torch.float32:

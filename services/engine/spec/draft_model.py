@@ -32,17 +32,17 @@ from pathlib import Path
 
 import torch
 
-from services.engine.attention import KVCache, KVCacheDtype, KVCacheSpec
-from services.engine.block_pool import BlockPool
+from services.engine.core.block_pool import BlockPool
+from services.engine.core.request import Request
+from services.engine.core.sampling_params import SamplingParams
 from services.engine.errors import SpeculativeDecodingError
-from services.engine.loader import load_model
-from services.engine.model import CausalLM
-from services.engine.model_config import ModelConfig
-from services.engine.model_runner import ModelRunner, RunnerSeq
-from services.engine.request import Request
-from services.engine.sampler import sampling_probs
-from services.engine.sampling_params import SamplingParams
-from services.engine.tokenizer import Tokenizer
+from services.engine.model.attention import KVCache, KVCacheDtype, KVCacheSpec
+from services.engine.model.loader import load_model
+from services.engine.model.model import CausalLM
+from services.engine.model.model_config import ModelConfig
+from services.engine.model.model_runner import ModelRunner, RunnerSeq
+from services.engine.model.sampler import sampling_probs
+from services.engine.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,15 +46,15 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.engine.block_pool import BlockPool, HashFn, hash_block_tokens
+from services.engine.core.block_pool import BlockPool, HashFn, hash_block_tokens, prefix_hit_rate
+from services.engine.core.request import Request, RequestStatus
+from services.engine.core.sampling_params import SamplingParams
 from services.engine.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
     InvalidParameterError,
     QueueFullError,
 )
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,9 +164,7 @@ class SchedulerStats:
 
     @property
     def prefix_hit_rate(self) -> float:
-        """Prefix-cache hits / queried, in prompt tokens; 0.0 before any query."""
-        q = self.num_prompt_tokens_queried
-        return self.num_prompt_tokens_hit / q if q else 0.0
+        return prefix_hit_rate(self.num_prompt_tokens_hit, self.num_prompt_tokens_queried)
 
 
 def _stop_reason(

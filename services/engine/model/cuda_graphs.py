@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.attention import AttentionMetadata
+from services.engine.model.attention import AttentionMetadata
 
 PAD_SLOT = -1
 

@@ -1,11 +1,14 @@
 """The engine's bus face: answers ``llm.v1.gen.<worker_id>``, honours cancels, publishes heartbeats.
 
-Reply protocol on the request's inbox (all TokenChunks, ``index`` counting from 0):
-chunk 0 is the acceptance (empty) or a refusal (``error`` set: 400 bad request, 429 queue full with
-``retry_after_s``); then one chunk per step with new text; the final chunk carries ``finish_reason``,
-``usage`` and ``timings``. The acceptance carries ``usage`` with the prompt's token count; a cancelled
-request (``llm.v1.cancel.<worker_id>``) ends with a final ``abort`` chunk whose ``usage`` is what the
-engine produced up to the cut, so the gateway bills the work done.
+Reply protocol on the request's inbox (all TokenChunks, ``index`` counting from 0): chunk 0 is the acceptance
+(empty) or a refusal (``error`` set: 400 bad request, 429 queue full with ``retry_after_s``, 504
+``deadline_exceeded`` when ``deadline_s`` had passed); then one chunk per step with new text; the final chunk
+carries ``finish_reason``, ``usage`` and ``timings``. The acceptance carries ``usage`` with the prompt's token
+count; a cancelled request (``llm.v1.cancel.<worker_id>``) ends with a final ``abort`` chunk whose ``usage``
+is what the engine produced up to the cut, so the gateway bills the work done. A request whose ``deadline_s``
+passes while it still waits for its first token is aborted and ends with a final ``error`` chunk (504
+``deadline_exceeded``); both kinds of deadline drop are counted (``EngineHandle.num_deadline_dropped``,
+``ninfer:requests_deadline_dropped_total`` in ``/metrics``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from nats.aio.client import Client
@@ -27,27 +30,17 @@ from proto import (
     GenerateRequest,
     ProtoDecodeError,
     SlotHeartbeat,
-    Timings,
     TokenChunk,
-    TokenLogprob,
-    TopLogprob,
     Usage,
     decode,
     encode,
     subjects,
 )
 from services.common.runtime import new_session_id, raise_if_cancelling
-from services.engine.async_engine import EngineHandle
-from services.engine.engine_core import PromptEncoder, RequestOutput
-from services.engine.errors import (
-    ContextLengthExceededError,
-    EngineError,
-    InvalidParameterError,
-    QueueFullError,
-)
-from services.engine.sampler import TokenLogprobs
-from services.engine.sampling_params import SamplingParams
-from services.engine.tokenizer import Tokenizer
+from services.engine.errors import DeadlineExceededError, EngineError
+from services.engine.outputs import RequestOutput
+from services.engine.serve.async_engine import EngineHandle, RequestStream
+from services.engine.serve.frontend import error_info, output_chunk, prepare_request
 
 log = logging.getLogger(__name__)
 
@@ -62,35 +55,11 @@ class WorkerConfig:
     heartbeat_interval_s: float = 0.5
 
 
-def error_info(exc: BaseException) -> ErrorInfo:
-    """The OpenAI error fields for an engine exception (the gateway turns them into the HTTP answer)."""
-    if isinstance(exc, QueueFullError):
-        return ErrorInfo(message=exc.message, type="rate_limit_error", code="queue_full", status=429,
-                         retry_after_s=exc.retry_after_s)
-    if isinstance(exc, ContextLengthExceededError):
-        return ErrorInfo(message=exc.message, type="invalid_request_error", code="context_length_exceeded",
-                         param="messages", status=400)
-    if isinstance(exc, InvalidParameterError):
-        return ErrorInfo(message=exc.message, type="invalid_request_error", code="invalid_parameter",
-                         param=exc.field, status=400)
-    if isinstance(exc, EngineError):
-        return ErrorInfo(message=exc.message, type="invalid_request_error", status=400)
-    return ErrorInfo(message="internal engine error", type="server_error", status=500)
-
-
-def sampling_params(req: GenerateRequest, max_context: int, num_prompt_tokens: int) -> SamplingParams:
-    max_tokens = req.max_tokens if req.max_tokens is not None else max(1, max_context - num_prompt_tokens)
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-        stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
-        logprobs=req.logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
-    )
-
-
 class BusWorker:
-    def __init__(self, nc: Client, engine: EngineHandle, config: WorkerConfig) -> None:
+    def __init__(self, nc: Client, engine: EngineHandle, config: WorkerConfig,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.nc = nc
+        self._wall_clock = wall_clock  # what GenerateRequest.deadline_s is compared with (absolute UTC)
         self.engine = engine
         self.config = config
         self.session_id = new_session_id()
@@ -207,6 +176,9 @@ class BusWorker:
 
     async def _serve(self, req: GenerateRequest, inbox: str) -> None:
         try:
+            if req.deadline_s is not None and (now_s := self._wall_clock()) >= req.deadline_s:
+                self.engine.count_deadline_dropped()  # the gateway has given up: do not admit it
+                raise DeadlineExceededError(req.deadline_s, now_s, "before admission")
             prompt_ids, params = prepare_request(self.engine.core, req)
             stream = await self.engine.add_request(req.request_id, prompt_ids, params, source=req.gateway_id)
         except (EngineError, ValueError) as exc:
@@ -219,7 +191,19 @@ class BusWorker:
                                             usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)))
         index = 0
         try:
-            async for output in stream:
+            outputs = aiter(stream)
+            if req.deadline_s is not None:
+                first = await self._first_output_by(outputs, stream, req.deadline_s)
+                if first is None:  # still waiting for its first token at the deadline: dropped, its slot freed
+                    self.engine.count_deadline_dropped()
+                    exc = DeadlineExceededError(req.deadline_s, self._wall_clock(), "while queued")
+                    await self._reply(inbox, TokenChunk(request_id=req.request_id, index=1, finish_reason="error",
+                                                        error=error_info(exc), worker_id=self.config.worker_id))
+                    return
+                index += 1
+                await self._reply(inbox, output_chunk(self.engine.core.tokenizer, req.request_id, index, first,
+                                                      self.config.worker_id))
+            async for output in outputs:
                 index += 1
                 await self._reply(inbox, output_chunk(self.engine.core.tokenizer, req.request_id, index, output,
                                                       self.config.worker_id))
@@ -236,50 +220,13 @@ class BusWorker:
         finally:
             stream.close()  # free its blocks (idempotent after an abort)
 
-
-def prepare_request(core: PromptEncoder, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
-    """Prompt token ids (chat template applied) and sampling params; raises the engine's typed errors."""
-    if req.messages is not None:
-        prompt_ids = core.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
-    else:
-        prompt_ids = core.encode_prompt(req.prompt or "")
-    return prompt_ids, sampling_params(req, core.max_context, len(prompt_ids))
-
-
-def render_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprobs]) -> list[TokenLogprob]:
-    """Token ids to what clients read: each token's text (lossy for part of a UTF-8 character: the bytes
-    are exact) and log-probability, and the same for the position's most likely tokens."""
-    def top(token_id: int, logprob: float) -> TopLogprob:
-        raw = tokenizer.token_bytes(token_id)
-        return TopLogprob(token=raw.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(raw))
-
-    out = []
-    for lp in logprobs:
-        chosen = top(lp.token_id, lp.logprob)
-        out.append(TokenLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes,
-                                top_logprobs=[top(t, v) for t, v in lp.top]))
-    return out
-
-
-def output_chunk(tokenizer: Tokenizer, request_id: str, index: int, output: RequestOutput, worker_id: str
-                 ) -> TokenChunk:
-    """One engine output as a TokenChunk; the final one carries usage and llama.cpp-style timings."""
-    logprobs = None if output.logprobs is None else render_logprobs(tokenizer, output.logprobs)
-    if not output.finished:
-        return TokenChunk(request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids),
-                          logprobs=logprobs)
-    t = output.timings
-    return TokenChunk(
-        request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids), logprobs=logprobs,
-        finish_reason=output.finish_reason,  # type: ignore[arg-type]
-        usage=Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
-                    cached_tokens=output.num_cached_tokens),
-        timings=Timings(
-            prompt_n=output.num_prompt_tokens - output.num_cached_tokens, cache_n=output.num_cached_tokens,
-            predicted_n=output.num_output_tokens, prompt_ms=t.prompt_ms if t else 0.0,
-            predicted_ms=t.predicted_ms if t else 0.0, queue_ms=t.queue_ms if t else 0.0,
-            ttft_ms=t.ttft_ms if t else None, draft_n=output.num_draft_tokens,
-            draft_n_accepted=output.num_accepted_draft_tokens,
-        ),
-        worker_id=worker_id,
-    )
+    async def _first_output_by(self, outputs: AsyncIterator[RequestOutput], stream: RequestStream,
+                               deadline_s: float) -> RequestOutput | None:
+        """The request's first output, or None when ``deadline_s`` (wall clock) passes first: the request
+        is then aborted in the engine (its blocks and lane freed) and its last output read."""
+        try:
+            async with asyncio.timeout(max(0.0, deadline_s - self._wall_clock())):
+                return await anext(outputs)
+        except TimeoutError:
+            await stream.abort_and_wait(ABORT_REPORT_TIMEOUT_S)
+            return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from services.engine.sampling_params import SamplingParams
+from services.engine.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.prom import E2E_BUCKETS_S, TTFT_BUCKETS_S, Histogram, PromText
-from services.engine.engine_core import EngineSnapshot, RequestOutput
-from services.engine.spec_decode import SpecDecodeStats
-from services.engine.usage_ledger import UsageLedger
+from services.engine.outputs import EngineSnapshot, RequestOutput
+from services.engine.serve.usage_ledger import UsageLedger
+from services.engine.spec.spec_decode import SpecDecodeStats
 
 
 @dataclass
@@ -140,7 +140,7 @@ def speculative_view(spec: SpecDecodeStats) -> dict[str, Any]:
 
 
 def metrics_text(model_id: str, snap: EngineSnapshot, req: RequestStats, uptime_s: float,
-                 energy_j_total: float | None, block_size: int) -> str:
+                 energy_j_total: float | None, block_size: int, num_deadline_dropped: int = 0) -> str:
     s = snap.stats
     m = PromText()
     model = {"model_name": model_id}
@@ -186,6 +186,8 @@ def metrics_text(model_id: str, snap: EngineSnapshot, req: RequestStats, uptime_
     m.gauge("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.",
             req.num_output_tokens / req.predicted_seconds if req.predicted_seconds > 0 else 0.0)
     m.counter("ninfer:requests_total", "Requests admitted.", snap.admitted_total)
+    m.counter("ninfer:requests_deadline_dropped_total",
+              "Requests dropped because their deadline passed before they produced a token.", num_deadline_dropped)
     m.counter("ninfer:pressure_spill_pages_total", "KV pages spilled under pressure (this engine recomputes).", 0)
     m.counter("ninfer:kv_cache_evictions_total", "Cached prefix blocks evicted.", s.num_evictions_total)
     m.gauge("ninfer:process_uptime_seconds", "Seconds since the engine started.", uptime_s)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 from services.engine.errors import ModelLoadError, SpeculativeDecodingError
-from services.engine.loader import checkpoint_tensor_names
+from services.engine.model.loader import checkpoint_tensor_names
 
 SpecMethod = Literal["none", "ngram", "draft", "mtp"]
 SPEC_METHODS: tuple[SpecMethod, ...] = ("none", "ngram", "draft", "mtp")

@@ -1,5 +1,6 @@
-"""ninfer-serve's I/O shell: the OpenAI HTTP API, the telemetry endpoints, energy sampling,
-``--metrics-state`` persistence, and (with ``--nats``) the bus worker — around one engine handle.
+"""The engine's HTTP face: the OpenAI HTTP API, the telemetry endpoints, energy sampling and
+``--metrics-state`` persistence, around one engine handle. The bus face is ``worker.py``; both translate
+requests and outputs through ``frontend.py``.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from services.common import openai_api, openai_stream
 from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W, CounterLimits
 from services.common.http import HTTPError, error_middleware, read_json_object, serving
 from services.common.runtime import new_session_id, raise_if_cancelling
-from services.engine.async_engine import EngineHandle
-from services.engine.energy import EnergyMeter, EnergyTracker, total_energy_j
-from services.engine.engine_core import RequestOutput
 from services.engine.errors import EngineError
-from services.engine.usage_ledger import UsageLedger, load_state, save_state, utc_day
-from services.engine.views import RequestStats, metrics_text, slots_body, usage_body
-from services.engine.worker import error_info, output_chunk, prepare_request
+from services.engine.outputs import RequestOutput
+from services.engine.serve.async_engine import EngineHandle
+from services.engine.serve.energy import EnergyMeter, EnergyTracker, total_energy_j
+from services.engine.serve.frontend import error_info, output_chunk, prepare_request
+from services.engine.serve.usage_ledger import UsageLedger, load_state, save_state, utc_day
+from services.engine.serve.views import RequestStats, metrics_text, slots_body, usage_body
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class EngineService:
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = metrics_text(self.core.model_id, self.engine.snapshot(), self.requests, self.uptime_s,
-                            self.energy_j_total, self.core.config.block_size)
+                            self.energy_j_total, self.core.config.block_size, self.engine.num_deadline_dropped)
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 

@@ -20,11 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.core.sampling_params import SamplingParams
 from services.engine.kernels import cpu_kernels
-from services.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.core.request import Request
 
 # Smallest positive float32; keeps E > 0 so p / E never divides by zero (0 / 0 = NaN would win argmax).
 _TINY = torch.finfo(torch.float32).tiny
@@ -214,3 +218,27 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.effective_top_k > 0 or params.top_p < 1.0:
         scaled = apply_top_k_top_p(scaled, [params.effective_top_k] * n, [params.top_p] * n)
     return torch.softmax(scaled, dim=-1)
+
+
+def logprobs_by_request(request_ids: Sequence[str], logprobs: Sequence[TokenLogprobs | None] | None
+                ) -> dict[str, TokenLogprobs]:
+    """The sampler's per-row logprobs keyed by the rows' request ids (the rows that asked only)."""
+    if logprobs is None:
+        return {}
+    return {rid: lp for rid, lp in zip(request_ids, logprobs, strict=True) if lp is not None}
+
+
+def histories(requests: Sequence[Request | None]) -> list[History | None] | None:
+    """What the sampler's penalties and min_tokens need, per request; None when no request has any."""
+    if not any(r is not None and r.sampling_params.shapes_logits for r in requests):
+        return None
+    return [history(r) if r.sampling_params.shapes_logits else None for r in requests if r is not None]
+
+
+def history(request: Request) -> History:
+    params = request.sampling_params
+    stop_ids: tuple[int, ...] = ()
+    if request.num_output_tokens < params.min_tokens:  # the only steps that suppress them
+        eos_ids = () if params.ignore_eos else request.eos_token_ids
+        stop_ids = tuple(sorted({*params.stop_token_ids, *eos_ids}))
+    return History(request.prompt_token_ids, request.output_token_ids, stop_ids)

@@ -11,8 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.openai_api import MAX_LOGPROBS  # OpenAI's cap; bounds the per-step host transfer
 from services.engine.errors import InvalidParameterError
+
+# The engine's cap on top logprobs per token: bounds the per-step host transfer. Equal to OpenAI's cap
+# (services/common/openai_api.py), which the HTTP dialect checks before a request gets here.
+MAX_LOGPROBS = 20
 
 # torch.Generator.manual_seed accepts the unsigned 64-bit range.
 _MAX_SEED = 2**64 - 1

@@ -40,7 +40,7 @@ def pack(src: Path, out: Path) -> Path:
     """Pack an HF checkpoint directory (single or sharded safetensors) into one ``.ninfer`` file."""
     from tqdm import tqdm
 
-    from services.engine.loader import _tensor_files
+    from services.engine.model.loader import _tensor_files
 
     if not src.is_dir():
         raise ModelLoadError(str(src), "directory does not exist")

@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.engine.request import Request
+from services.engine.core.request import Request
 
 NULL_BLOCK_ID = 0
 
@@ -95,9 +95,13 @@ class BlockPoolStats:
 
     @property
     def prefix_hit_rate(self) -> float:
-        """hits / queried, in tokens; 0.0 before any query."""
-        q = self.num_prompt_tokens_queried
-        return self.num_prompt_tokens_hit / q if q else 0.0
+        return prefix_hit_rate(self.num_prompt_tokens_hit, self.num_prompt_tokens_queried)
+
+
+def prefix_hit_rate(num_prompt_tokens_hit: int, num_prompt_tokens_queried: int) -> float:
+    """Prefix-cache hits / queried, in prompt tokens; 0.0 before any query."""
+    q = num_prompt_tokens_queried
+    return num_prompt_tokens_hit / q if q else 0.0
 
 
 class BlockPool:

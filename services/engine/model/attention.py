@@ -38,11 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.kernels.cpu_kernels import FusedDecode
+from services.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
 KVCacheDtype = Literal["auto", "fp8"]
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 
 
 # --------------------------------------------------------------------------------------------- KV cache

@@ -1,0 +1,38 @@
+"""EngineConfig: one engine's settings (model, device, KV cache, batching, speculation), frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from services.engine.model.kv_cache import DEFAULT_KV_MEMORY_FRACTION
+from services.engine.spec.spec_decode import SpecConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """One engine's settings. ``kv_capacity_tokens`` None sizes the cache from free memory."""
+
+    model_path: Path
+    model_id: str | None = None
+    dtype: str | None = None
+    device: str = "cpu"
+    backend: str | None = None  # kernels: "auto"/None (triton on CUDA, else torch), "torch", "triton"
+    kv_dtype: Literal["auto", "fp8"] = "auto"
+    kv_capacity_tokens: int | None = None
+    kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION
+    block_size: int = 16
+    max_concurrency: int = 8
+    max_pending_requests: int = 64
+    max_context: int | None = None
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    preserve_thinking: bool = False
+    torch_threads: int | None = None
+    # Decode steps through CUDA graphs where they can run (CUDA device, triton backend); False: eager always.
+    cuda_graphs: bool = True
+    # Outputs of a request that is already streaming are released at most this often (see
+    # async_engine.StreamInterval); 0 releases every step's tokens at once. Offline generate ignores it.
+    stream_interval_ms: float = 0.0
+    spec: SpecConfig = field(default_factory=SpecConfig)

@@ -1,0 +1,129 @@
+"""The one request/response translation both faces share: prompts to tokens, wire to sampling params,
+engine errors to error fields, engine outputs to TokenChunks.
+
+The HTTP face (``http.py``) parses the OpenAI dialect into a ``GenerateRequest`` and the bus face
+(``worker.py``) decodes one; from there both go through :func:`prepare_request`, and every output goes
+back as :func:`output_chunk` (errors as :func:`error_info`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from proto import ErrorInfo, GenerateRequest, Timings, TokenChunk, TokenLogprob, TopLogprob, Usage
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.errors import (
+    ContextLengthExceededError,
+    DeadlineExceededError,
+    EngineError,
+    InvalidParameterError,
+    QueueFullError,
+)
+from services.engine.model.tokenizer import Tokenizer
+from services.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from services.engine.config import EngineConfig
+    from services.engine.model.sampler import TokenLogprobs
+
+
+class PromptEncoder(Protocol):
+    """What the HTTP and bus faces need of an engine to turn a request into prompt tokens.
+
+    The :class:`~services.engine.engine_core.EngineCore` is one; so is the API side of an engine whose core
+    runs in another process (:class:`services.engine.serve.process_engine.ProcessEngine`), which loads the
+    tokenizer but not the model.
+    """
+
+    config: EngineConfig
+    tokenizer: Tokenizer
+    model_id: str
+    max_context: int
+
+
+def encode_chat(core: PromptEncoder, messages: Sequence[dict[str, str]]) -> list[int]:
+    text = core.tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, preserve_thinking=core.config.preserve_thinking
+    )
+    return core.tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompt(core: PromptEncoder, prompt: str) -> list[int]:
+    return core.tokenizer.encode(prompt)
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """The OpenAI error fields for an engine exception (the gateway turns them into the HTTP answer)."""
+    if isinstance(exc, QueueFullError):
+        return ErrorInfo(message=exc.message, type="rate_limit_error", code="queue_full", status=429,
+                         retry_after_s=exc.retry_after_s)
+    if isinstance(exc, ContextLengthExceededError):
+        return ErrorInfo(message=exc.message, type="invalid_request_error", code="context_length_exceeded",
+                         param="messages", status=400)
+    if isinstance(exc, InvalidParameterError):
+        return ErrorInfo(message=exc.message, type="invalid_request_error", code="invalid_parameter",
+                         param=exc.field, status=400)
+    if isinstance(exc, DeadlineExceededError):
+        return ErrorInfo(message=exc.message, type="timeout_error", code="deadline_exceeded", status=504)
+    if isinstance(exc, EngineError):
+        return ErrorInfo(message=exc.message, type="invalid_request_error", status=400)
+    return ErrorInfo(message="internal engine error", type="server_error", status=500)
+
+
+def sampling_params(req: GenerateRequest, max_context: int, num_prompt_tokens: int) -> SamplingParams:
+    max_tokens = req.max_tokens if req.max_tokens is not None else max(1, max_context - num_prompt_tokens)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+        stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        logprobs=req.logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+    )
+
+
+def prepare_request(core: PromptEncoder, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
+    """Prompt token ids (chat template applied) and sampling params; raises the engine's typed errors."""
+    if req.messages is not None:
+        prompt_ids = encode_chat(core, [{"role": m.role, "content": m.content} for m in req.messages])
+    else:
+        prompt_ids = encode_prompt(core, req.prompt or "")
+    return prompt_ids, sampling_params(req, core.max_context, len(prompt_ids))
+
+
+def render_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprobs]) -> list[TokenLogprob]:
+    """Token ids to what clients read: each token's text (lossy for part of a UTF-8 character: the bytes
+    are exact) and log-probability, and the same for the position's most likely tokens."""
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        raw = tokenizer.token_bytes(token_id)
+        return TopLogprob(token=raw.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(raw))
+
+    out = []
+    for lp in logprobs:
+        chosen = top(lp.token_id, lp.logprob)
+        out.append(TokenLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes,
+                                top_logprobs=[top(t, v) for t, v in lp.top]))
+    return out
+
+
+def output_chunk(tokenizer: Tokenizer, request_id: str, index: int, output: RequestOutput, worker_id: str
+                 ) -> TokenChunk:
+    """One engine output as a TokenChunk; the final one carries usage and llama.cpp-style timings."""
+    logprobs = None if output.logprobs is None else render_logprobs(tokenizer, output.logprobs)
+    if not output.finished:
+        return TokenChunk(request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids),
+                          logprobs=logprobs)
+    t = output.timings
+    return TokenChunk(
+        request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids), logprobs=logprobs,
+        finish_reason=output.finish_reason,  # type: ignore[arg-type]
+        usage=Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
+                    cached_tokens=output.num_cached_tokens),
+        timings=Timings(
+            prompt_n=output.num_prompt_tokens - output.num_cached_tokens, cache_n=output.num_cached_tokens,
+            predicted_n=output.num_output_tokens, prompt_ms=t.prompt_ms if t else 0.0,
+            predicted_ms=t.predicted_ms if t else 0.0, queue_ms=t.queue_ms if t else 0.0,
+            ttft_ms=t.ttft_ms if t else None, draft_n=output.num_draft_tokens,
+            draft_n_accepted=output.num_accepted_draft_tokens,
+        ),
+        worker_id=worker_id,
+    )
