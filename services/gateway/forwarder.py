@@ -176,9 +176,12 @@ class Forwarder:
     async def _via_bus(self, request: web.Request, parsed: openai_api.ParsedRequest, ref: pools.MemberRef,
                        request_id: str, api_key_id: str | None, outcome: Outcome,
                        first_byte: Callable[[], None]) -> web.StreamResponse:
+        timeout_s = self.pools_file.file_config.limits.request_timeout_s
+        # deadline_s: the wall-clock time this attempt is given up at; the engine drops it if still waiting then
         generate = msgspec.structs.replace(parsed.generate, request_id=request_id, model=ref.model_id,
-                                           gateway_id=self.gateway_id, api_key_id=api_key_id)
-        deadline_s = time.monotonic() + self.pools_file.file_config.limits.request_timeout_s
+                                           gateway_id=self.gateway_id, api_key_id=api_key_id,
+                                           deadline_s=time.time() + timeout_s)
+        deadline_s = time.monotonic() + timeout_s
         stream = await bus_backend.start(self.nc, ref.member_id, generate, self.pools_file.first_byte_timeout_s,
                                          self.chunk_timeout_s, self._liveness(ref.member_id), deadline_s)
         open_stream: bus_backend.BusStream | None = stream

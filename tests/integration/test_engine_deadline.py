@@ -13,7 +13,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
-from proto import GenerateRequest, TokenChunk, decode, encode, subjects
+from proto import Cancel, GenerateRequest, TokenChunk, decode, encode, subjects
 from services.common.bus import connect, ensure_bus
 from services.common.nats_server import EmbeddedNatsServer
 from services.engine.config import EngineConfig
@@ -94,4 +94,17 @@ async def test_a_request_whose_deadline_passes_in_the_queue_is_aborted(one_lane:
     assert engine.num_deadline_dropped == 1
     await wait_for(lambda: engine.snapshot().stats.num_waiting == 0)  # its place in the queue is freed
     assert engine.snapshot().stats.num_running == 1  # the busy request goes on
-    await client.publish(subjects.cancel("w1"), b"busy")
+    await client.publish(subjects.cancel("w1"), encode(Cancel(request_id="busy")))
+
+
+@pytest.mark.parametrize("payload", [encode(Cancel(request_id="busy")), b"busy"], ids=["typed", "raw-id"])
+async def test_a_cancel_typed_or_from_an_older_gateway_ends_the_request(one_lane: tuple[Client, AsyncEngine],
+                                                                         payload: bytes) -> None:
+    client, engine = one_lane
+    busy = await send(client, GenerateRequest(request_id="busy", model="tiny", prompt="hello",
+                                              max_tokens=LONG_GENERATION_TOKENS, temperature=0.0, ignore_eos=True))
+    assert (await next_chunk(busy)).error is None  # accepted
+    assert (await next_chunk(busy)).token_ids  # producing
+    await client.publish(subjects.cancel("w1"), payload)
+    await client.publish(subjects.cancel("w1"), b"\xc1 not a request id")  # garbage is ignored, not a crash
+    await wait_for(lambda: engine.snapshot().stats.num_running == 0)

@@ -21,12 +21,13 @@ import aiohttp
 import openai
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client.parser import text_string_to_metric_families
 
+from proto import GenerateRequest, decode, subjects
 from proto import pools as pool_config
-from proto import subjects
 from services.common.bus import connect, ensure_bus
 from services.common.http import serving
 from services.common.nats_server import EmbeddedNatsServer
@@ -454,3 +455,27 @@ async def test_an_http_member_streams_with_usage_injected_upstream_and_stripped_
     lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.access"]
     assert len(lines) == 2 and all(f"member={pool.http_id}" in ln and " output=5 " in ln for ln in lines), lines
     assert pool.engines[pool.http_id].core.admitted_total == 2
+
+
+async def test_the_gateway_tells_the_engine_when_it_gives_up_on_a_request(pool: Pool,
+                                                                           nats_server: EmbeddedNatsServer) -> None:
+    """GenerateRequest.deadline_s is the wall-clock time the gateway's request timeout ends: the engine drops a
+    request still waiting then (tests/integration/test_engine_deadline.py)."""
+    seen: list[GenerateRequest] = []
+
+    async def capture(msg: Msg) -> None:
+        seen.append(decode(msg.data, GenerateRequest))
+
+    watcher = await connect(nats_server.url, "watcher")  # a connection does not hear its own messages
+    sub = await watcher.subscribe(subjects.gen("*"), cb=capture)
+    await watcher.flush()
+    timeout_s = pool.gateway.pools_file.file_config.limits.request_timeout_s
+    before = time.time()
+    with pool.only("w1"):  # a bus member
+        await pool.chat(_user("hello"))
+    after = time.time()
+    await wait_for(lambda: bool(seen))
+    await sub.unsubscribe()
+    await watcher.close()
+    deadline_s = seen[0].deadline_s
+    assert deadline_s is not None and before + timeout_s <= deadline_s <= after + timeout_s

@@ -165,8 +165,11 @@ class BusWorker:
         try:
             request_id = decode(msg.data, Cancel).request_id
         except ProtoDecodeError as exc:
-            log.debug("ignored a malformed cancel: %s", exc)
-            return
+            # A gateway older than the typed Cancel sends the request id as raw bytes: honour it during an upgrade
+            request_id = msg.data.decode("ascii", "replace")
+            if request_id not in self._tasks:
+                log.debug("ignored a malformed cancel: %s", exc)
+                return
         task = self._tasks.get(request_id)
         if task is not None:
             task.cancel()
