@@ -25,12 +25,14 @@ CPU's instruction-set flags, so a cache shared between different CPUs never runs
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +90,36 @@ def _is_built(name: str) -> bool:
         return True
 
 
+@contextlib.contextmanager
+def _sole_builder(name: str) -> Iterator[None]:
+    """Hold an OS lock on the extension's build folder while torch builds or loads it.
+
+    torch's builder marks a build with a ``lock`` file and every later build of that name waits for the file
+    to go, forever: a builder killed mid-build (a crash, a test's SIGKILL, Ctrl-C in ``llmgw up``) leaves it
+    behind and every later engine start hangs. ``flock`` is released by the kernel when its holder dies, so
+    whoever holds it is the only live builder here and a ``lock`` file found then is stale: remove it.
+    """
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: the folder torch builds in
+
+        folder = Path(_get_build_directory(name, verbose=False))
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / ".ninfer-build.flock", "a+")
+    except Exception:  # no folder we can lock: build as torch would alone
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = folder / "lock"
+        if stale.exists():
+            log.warning("removed a stale build lock left by a killed engine (%s)", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _put_ninja_on_path() -> None:
     """torch's builder runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) puts it in the venv's
     bin, which is not on PATH when the venv's python is run without activating it."""
@@ -118,8 +150,9 @@ def fused_decode() -> FusedDecode | None:
         try:
             from torch.utils.cpp_extension import load_inline
 
-            module = load_inline(name, cpp_sources=[_SOURCE], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                                 verbose=False)
+            with _sole_builder(name):
+                module = load_inline(name, cpp_sources=[_SOURCE], extra_cflags=_CFLAGS,
+                                     extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             log.warning("fused CPU decode attention unavailable (%s); using the slower torch path. Install a "
