@@ -130,7 +130,7 @@ class AccountingService:
         self.ledger.submit(lambda ledger: ledger.set_tariff(config.electricity_rate_usd_per_kwh, now_s,
                                                             "--electricity-rate")).result()
         for rate in config.tariff:  # after the configured rate: on a new ledger that one covers the time before
-            self.ledger.submit(lambda ledger, r=rate: ledger.add_dated_rate(r.effective_s, r.usd_per_kwh)).result()
+            self.ledger.submit(lambda ledger: ledger.add_dated_rate(rate.effective_s, rate.usd_per_kwh)).result()
         if config.price_book:
             self.ledger.submit(lambda ledger: ledger.set_price_book(config.price_book)).result()
         self.ingested = asyncio.Event()  # set after every committed batch (tests await it)
@@ -357,13 +357,13 @@ class AccountingService:
 
         def work(ledger: Any) -> CostsReport:
             ledger.refresh_rollups(now_s, retention)
-            return ledger.costs(now_s, num_days)  # type: ignore[no-any-return]
+            return ledger.costs(now_s, num_days)
 
-        return await self._write(work)  # type: ignore[no-any-return]  # _write returns the callable's value
+        return await self._write(work)
 
     async def costs(self, num_days: int = 30) -> dict[str, Any]:
         """:meth:`costs_report` as its JSON form (plain dicts and lists)."""
-        return msgspec.to_builtins(await self.costs_report(num_days))  # type: ignore[no-any-return]  # a Struct: a dict
+        return msgspec.to_builtins(await self.costs_report(num_days))
 
     async def key_energy(self, month: str) -> KeyEnergyReply:
         """Month-to-date measured joules per API key (``Ledger.key_energy``), fresh as the last committed

@@ -189,7 +189,7 @@ class Ledger:
             present = self.con.execute("SELECT count(*) FROM information_schema.columns WHERE table_name = ? "
                                        "AND column_name = ?", [table, column]).fetchone()
             if present == (0,):
-                self._transaction(lambda statements=statements: self.con.execute(statements))
+                self._transaction(lambda: self.con.execute(statements))  # runs here, before the loop moves on
 
     # ---- configuration rows ---------------------------------------------------------------------------
 
@@ -378,7 +378,8 @@ class Ledger:
         self._write_parts(parts, dirty)
 
     def _write_parts(self, parts: Sequence[Part], dirty: set[float]) -> None:
-        rows, shares = [], []
+        rows: list[tuple[Any, ...]] = []
+        shares: list[tuple[Any, ...]] = []
         for p in parts:
             iv, d = p.interval, p.device
             dirty.update(_hours(iv.start_s, iv.end_s))

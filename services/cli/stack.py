@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, TextIO
 
 from services.common.nats_server import EmbeddedNatsServer, set_parent_death_signal
 from services.common.runtime import data_dir, run_async_main, setup_logging, write_stack_file
@@ -75,13 +76,13 @@ class Child:
             asyncio.create_task(self._pump(self.proc.stderr, sys.stderr)),
         ]
 
-    async def _pump(self, stream: asyncio.StreamReader, out: object) -> None:
+    async def _pump(self, stream: asyncio.StreamReader, out: TextIO) -> None:
         prefix = f"[{self.name}] ".encode()
         while line := await stream.readline():
             text = line.decode(errors="replace")
             if not self.ready.done() and f"llmgw {self.name} ready: " in text:
                 self.ready.set_result(text.split("ready: ", 1)[1].strip())
-            sink = out.buffer  # type: ignore[attr-defined]
+            sink = out.buffer
             sink.write(prefix + line)
             sink.flush()
 
@@ -136,13 +137,15 @@ async def run(args: argparse.Namespace) -> None:
             stack.push_async_callback(child.stop)
         for child in children:
             await child.start()
-        waits = {asyncio.ensure_future(c.proc.wait()): c for c in children if c.proc}  # type: ignore[union-attr]
+        waits: dict[asyncio.Future[int], Child] = {asyncio.ensure_future(c.proc.wait()): c for c in children if c.proc}
         ready = asyncio.gather(*(c.ready for c in children))
-        done, _ = await asyncio.wait([ready, *waits], return_when=asyncio.FIRST_COMPLETED)
+        started: list[asyncio.Future[Any]] = [ready, *waits]
+        done, _ = await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
         if ready not in done:
             dead = next(waits[t] for t in done if t in waits)
             ready.cancel()
-            raise StackError(f"{dead.name} exited during start-up (code {dead.proc.returncode}); see its log above")  # type: ignore[union-attr]
+            assert dead.proc is not None  # it is in waits: it was started
+            raise StackError(f"{dead.name} exited during start-up (code {dead.proc.returncode}); see its log above")
         gateway_url = children[-1].ready.result().removeprefix("listening on ").strip()
         accounting_url = children[0].ready.result().removeprefix("listening on ").split(";", 1)[0].strip()
         await _wait_for_model(gateway_url, model_id)

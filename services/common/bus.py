@@ -23,17 +23,22 @@ log = logging.getLogger(__name__)
 DUPLICATE_WINDOW_S = 600.0
 
 
-def stream_configs() -> list[StreamConfig]:
-    common = dict(
+def _stream_config(name: str, subject: str) -> StreamConfig:
+    return StreamConfig(
+        name=name,
+        subjects=[subject],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         duplicate_window=DUPLICATE_WINDOW_S,
         max_age=30 * 24 * 3600.0,
     )
+
+
+def stream_configs() -> list[StreamConfig]:
     return [
-        StreamConfig(name=subjects.STREAM_USAGE, subjects=[subjects.USAGE_SUBJECTS], **common),
-        StreamConfig(name=subjects.STREAM_ENERGY, subjects=[subjects.ENERGY_SUBJECTS], **common),
+        _stream_config(subjects.STREAM_USAGE, subjects.USAGE_SUBJECTS),
+        _stream_config(subjects.STREAM_ENERGY, subjects.ENERGY_SUBJECTS),
     ]
 
 
@@ -41,6 +46,7 @@ async def ensure_bus(nc: Client) -> None:
     """Create the USAGE and ENERGY streams and the workers KV bucket; safe to call from every service."""
     js = nc.jetstream()
     for config in stream_configs():
+        assert config.name is not None  # _stream_config always names the stream
         try:
             await js.stream_info(config.name)
             await js.update_stream(config)

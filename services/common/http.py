@@ -161,7 +161,7 @@ async def read_form(request: web.Request) -> dict[str, str]:
     return form
 
 
-class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+class _ServerLog(logging.LoggerAdapter[logging.Logger]):
     """aiohttp's protocol logger, minus one storm: it logs every malformed request (control characters in
     a header, a broken request line…) as an ERROR with a traceback, so any client could flood the log
     (tests/faults/test_hostile_input.py). Those are the client's fault: one WARNING line each, no traceback,
@@ -171,7 +171,7 @@ class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         if isinstance(exc_info, HttpProcessingError):
             # The kind and status only: aiohttp's message quotes the offending bytes, which may be a header
             # carrying an API key or a cookie (tests/faults: no secret in any log line).
-            self.logger.warning("%s: %s (HTTP %s)", msg % args if args else msg, type(exc_info).__name__,
+            self.logger.warning("%s: %s (HTTP %s)", str(msg) % args if args else msg, type(exc_info).__name__,
                                 exc_info.code)
         else:
             self.logger.exception(msg, *args, exc_info=exc_info, **kw)

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from proto.pools import ConfigError  # defined in proto: the pools file, which proto holds, raises it too
 
@@ -26,7 +26,7 @@ def data_dir(flag: str | None = None) -> Path:
     return path
 
 
-class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class BufferedStderrHandler(logging.StreamHandler[TextIO]):
     """Log lines to stderr through a buffer, written out at least every ``flush_every_s``.
 
     ``sys.stderr`` is line-buffered, so a plain handler makes one ``write`` system call per line: at
@@ -57,8 +57,10 @@ class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def write_info_line(self, name: str, message: str) -> None:
         """What ``emit`` writes for an INFO record of logger ``name``, when the formatter is setup_logging's
         (:class:`HotPathLog` checks that before it calls)."""
-        line = self.formatter.info_line(name, message, time.time())  # type: ignore[union-attr]
-        with self.lock:  # type: ignore[union-attr]
+        formatter, lock = self.formatter, self.lock
+        assert isinstance(formatter, _Formatter) and lock is not None  # HotPathLog checked; Handler made the lock
+        line = formatter.info_line(name, message, time.time())
+        with lock:
             self.stream.write(line)
         self._mark_dirty()
 
@@ -90,7 +92,9 @@ class _Formatter(logging.Formatter):
         if second != cached_second:
             text = time.strftime(self.default_time_format, self.converter(second))
             self._cache = (second, text)
-        return self.default_msec_format % (text, msecs)
+        msec_format = self.default_msec_format
+        assert msec_format is not None  # a class constant of logging.Formatter ("%s,%03d")
+        return msec_format % (text, msecs)
 
     def info_line(self, name: str, message: str, created: float) -> str:
         """The line ``format`` makes of an INFO record (of ``name``, with ``message``, made at ``created``)."""
@@ -173,9 +177,9 @@ class ThrottledLog:
             return
         held = self._held.pop(kind, 0)
         self._last[kind] = now
-        if held:
+        if held and last is not None:  # lines are held only after one was logged, so last is set then
             msg += f" (and {held} more like it in the last %.0f s)"
-            args = (*args, now - last)  # type: ignore[operator]
+            args = (*args, now - last)
         self.logger.warning(msg, *args)
 
 
@@ -214,7 +218,8 @@ def write_stack_file(data: Path, info: dict[str, Any]) -> None:
 
 def read_stack_file(data: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((data / "stack.json").read_text())  # type: ignore[no-any-return]
+        info: dict[str, Any] = json.loads((data / "stack.json").read_text())
+        return info
     except (OSError, ValueError):
         return None
 
@@ -239,10 +244,11 @@ def run_async_main(main: Any, service: str, clean_errors: tuple[type[BaseExcepti
         except asyncio.CancelledError:
             pass
 
+    clean: tuple[type[BaseException], ...] = (ConfigError, *clean_errors)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as loop_runner:
             loop_runner.run(runner())
-    except (ConfigError, *clean_errors) as exc:
+    except clean as exc:
         print(f"llmgw {service}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 
 class AckedPublisher:
@@ -24,7 +25,7 @@ class AckedPublisher:
         self.prefix = f"_INBOX.{secrets.token_hex(11)}."  # ours alone: the acks come back on prefix.<token>
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._tokens = itertools.count()
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(self.prefix + "*", cb=self._on_ack)

@@ -87,7 +87,7 @@ def _shown(value: float | None) -> str:
 
 def _set_limits(store: IdentityStore, args: argparse.Namespace) -> None:
     """Only the kinds given on the command line change (argparse leaves the others out of ``args``)."""
-    changes = {kind: getattr(args, kind) for kind in KINDS if hasattr(args, kind)}
+    changes: dict[str, int | float | None] = {kind: getattr(args, kind) for kind in KINDS if hasattr(args, kind)}
     if not changes:
         flags = ", ".join("--" + kind.replace("_", "-") for kind in KINDS)
         raise IdentityError("set-limits", f"give at least one of {flags}")
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
             now = time.time()
             for key in store.keys_of(None):
                 if args.user is None or names.get(key.user_id) == args.user:
-                    quota = "none" if key.daily_quota is None else str(key.daily_quota)
-                    print(f"{key.key_id}\t{names.get(key.user_id, '?')}\t{key.name}\t{key.hint}\t{quota}\t"
+                    quota_text = "none" if key.daily_quota is None else str(key.daily_quota)
+                    print(f"{key.key_id}\t{names.get(key.user_id, '?')}\t{key.name}\t{key.hint}\t{quota_text}\t"
                           f"{key.status(now)}")
             return
         if args.command == "set-limits":

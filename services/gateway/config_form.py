@@ -102,7 +102,7 @@ def from_form(form: dict[str, str], current: dict[str, Any]) -> FormResult:
         pool["aliases"] = [a.strip() for a in form.get(f"{prefix}.aliases", "").split(",") if a.strip()]
         result.fields[f"{path}.aliases"] = f"{prefix}.aliases"
         result.fields[f"{path}.members"] = f"{prefix}.member.new.backend"
-        members = []
+        members: list[dict[str, Any]] = []
         j = 0
         while f"{prefix}.member.{j}.backend" in form:
             if not form.get(f"{prefix}.member.{j}.remove"):

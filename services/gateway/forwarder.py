@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from aiohttp import web
@@ -51,7 +52,7 @@ class Outcome:
     """What one request produced, for its UsageRecord, metrics and access line."""
 
     member_id: str = ""
-    status: str = "ok"
+    status: Literal["ok", "error", "aborted"] = "ok"  # UsageRecord.status
     http_status: int = 200
     finish_reason: str | None = None
     error_code: str | None = None
@@ -122,7 +123,7 @@ class Forwarder:
             pending = max(0, prompt_chars - decision.affinity_chars(member_id))
             self.fleet.book(member_id)
             self.fleet.add_pending_prefill(member_id, pending)
-            first_byte = _Once(lambda m=member_id, p=pending: self.fleet.add_pending_prefill(m, -p))
+            first_byte = _Once(functools.partial(self.fleet.add_pending_prefill, member_id, -pending))
             try:
                 if ref.kind == "bus":
                     response = await self._via_bus(request, parsed, ref, request_id, api_key_id, outcome, first_byte)

@@ -248,7 +248,7 @@ def parse_limit(kind: str, text: str) -> float | int | None:
                                                           "tokens_per_minute") else float(cleaned)
     except ValueError:
         raise IdentityError(kind, "must be a number, or empty for no limit") from None
-    check_limits(dataclasses.replace(NO_LIMITS, **{kind: value}))
+    check_limits(dataclasses.replace(NO_LIMITS, **{kind: value}))  # type: ignore[arg-type]  # kind is a field name known at run time only; check_limits checks the value
     return value
 
 
@@ -505,7 +505,7 @@ class IdentityStore:
             raise ValueError(f"unknown role {row['role']!r}")
         if table == "limits":
             try:
-                check_limits(Limits(**{k: row[k] for k in KINDS}))  # type: ignore[arg-type]
+                check_limits(Limits(**{k: row[k] for k in KINDS}))  # type: ignore[arg-type]  # a peer's row: check_limits (and TypeError) refuse a bad value
             except (IdentityError, TypeError) as exc:
                 raise ValueError(f"bad limits for {row['principal']!r}: {exc}") from None
         updates = ", ".join(f"{c} = excluded.{c}" for c in columns[1:])
@@ -515,7 +515,7 @@ class IdentityStore:
             [row[c] for c in columns])
         if cursor.rowcount <= 0:
             return False
-        self._updated_s = max(self._updated_s, float(row["updated_s"]))  # type: ignore[arg-type]
+        self._updated_s = max(self._updated_s, float(row["updated_s"]))
         if table == "users":
             self._users.pop(str(row["user_id"]), None)
         elif table == "limits":
@@ -554,7 +554,7 @@ class IdentityStore:
     def change_limits(self, principal_id: str, changes: Mapping[str, int | float | None]) -> Limits:
         """Set the kinds in ``changes`` (None: no limit), keep the others; nothing is written for none."""
         if changes:
-            self.set_limits(principal_id, dataclasses.replace(self.limits_of(principal_id), **changes))
+            self.set_limits(principal_id, dataclasses.replace(self.limits_of(principal_id), **changes))  # type: ignore[arg-type]  # kinds known at run time only; set_limits checks the values
         return self.limits_of(principal_id)
 
     def key_limits(self, key: ApiKey) -> Limits:

@@ -116,6 +116,7 @@ class IdentitySync:
             except NotFoundError:
                 break
             raise_if_cancelling()  # see raise_if_cancelling: a cancel that lands as an answer arrives is lost
+            assert msg.seq is not None  # nats-py types it optional; a stored message has its sequence
             seq = msg.seq + 1
             key = (msg.subject or "").removeprefix(_KV_PREFIX)
             if key == BOOTSTRAP_KEY or not msg.data or (msg.headers or {}).get("KV-Operation"):
@@ -127,7 +128,7 @@ class IdentitySync:
         self.store.refresh()  # rows ``llmgw admin`` changed in the file while we ran
         for table, row in self.store.replica_rows():
             key = entry_key(table, row)
-            if float(row["updated_s"]) > held.get(key, -1.0):  # type: ignore[arg-type]
+            if float(row["updated_s"]) > held.get(key, -1.0):  # type: ignore[arg-type]  # a row's values are objects; updated_s is REAL NOT NULL
                 self._local_change(table, row)
 
     # ---- running ----------------------------------------------------------------------------------

@@ -267,7 +267,7 @@ class LimitBook:
 
     def prune(self, now_s: float) -> None:
         """Forget counters of windows that have ended (a minute, a day or a month ago)."""
-        current = {kind: window(kind, now_s) for kind in KINDS}
+        current: dict[str, str] = {kind: window(kind, now_s) for kind in KINDS}
         for table in (self.settled, self.reserved):
             for key in [k for k in table if not _is_current(k, current)]:
                 del table[key]

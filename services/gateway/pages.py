@@ -315,7 +315,7 @@ class Pages:
             check_user_name(name)
             check_password_rules(form.get("password", ""))
             pw_hash = await asyncio.to_thread(hash_password, form.get("password", ""))
-            self.auth.store.create_user(name, pw_hash, role)  # type: ignore[arg-type]
+            self.auth.store.create_user(name, pw_hash, role)  # type: ignore[arg-type]  # the form's text: create_user refuses a role not in ROLES
         except IdentityError as exc:
             return self._users_view(session, 400, error=f"{exc.field}: {exc.message}")
         return self._users_view(session, created=name)
@@ -372,7 +372,7 @@ class Pages:
             except IdentityError as exc:
                 errors = {"tokens_per_day" if exc.field == "daily_quota" else exc.field: exc.message}
         if errors:
-            texts = {kind: text for kind, text in form.items() if kind in KINDS}
+            texts: dict[str, str] = {kind: text for kind, text in form.items() if kind in KINDS}
             return self._limits_view(session, 400, refused=row_id, texts=texts, errors=errors)
         raise web.HTTPSeeOther(f"/admin/limits?saved={row_id}#{row_id}")
 
@@ -465,8 +465,8 @@ class Pages:
         keys = []
         for k in own:
             status_text = k.status(now)
-            if status_text == "rotated":
-                status_text = f"rotated: works until {_utc(k.expires_s)}"  # type: ignore[arg-type]
+            if status_text == "rotated" and k.expires_s is not None:  # "rotated" means expires_s is set
+                status_text = f"rotated: works until {_utc(k.expires_s)}"
             # a key absent from the window had no traffic (0), unless the figures could not be fetched (unknown)
             window = usage.get(k.key_id) or ({} if usage_error else {"tokens": 0, "list_usd": 0.0, "energy_usd": 0.0})
             keys.append({"key_id": k.key_id, "name": k.name, "hint": k.hint, "status": status_text,

@@ -117,7 +117,7 @@ class Peers:
                 continue
             if reply.month != month:
                 continue
-            kwh: collections.Counter[str] = collections.Counter()
+            kwh: collections.defaultdict[str, float] = collections.defaultdict(float)
             keys = {k.key_id: k for k in self.identity.keys_of(None)}
             for key_id, joules in reply.joules_by_key.items():
                 key = keys.get(key_id)

@@ -219,10 +219,10 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
     for m in members:
         mid = m.member_id
         age_s = now_s - m.received_s if m.heartbeat is not None and m.received_s is not None else None
-        reason = excluded[mid] or ("stale" if has_fresh and stale[mid] else None)
-        if reason is not None:
+        exclusion = excluded[mid] or ("stale" if has_fresh and stale[mid] else None)
+        if exclusion is not None:
             sheets[mid] = Candidate(mid, None, 0.0, None, in_flight=m.in_flight, age_s=age_s,
-                                    is_stale=stale[mid], excluded=reason)
+                                    is_stale=stale[mid], excluded=exclusion)
             continue
         booked = unseen_bookings(m)
         basis: Basis

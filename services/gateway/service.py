@@ -202,7 +202,7 @@ class GatewayService:
             gateway_id=self.config.gateway_id, session_id=self.session_id, seq=self._seq, ts_s=wall_s,
             request_id=request_id, model=parsed.model, pool=outcome.pool or parsed.model, member=outcome.member_id,
             worker_id=outcome.member_id, api_key_id=key.key_id if key else None, endpoint=parsed.endpoint,
-            stream=parsed.stream, status=outcome.status,  # type: ignore[arg-type]
+            stream=parsed.stream, status=outcome.status,
             http_status=outcome.http_status, finish_reason=outcome.finish_reason,
             error_code=outcome.error_code,
             prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,

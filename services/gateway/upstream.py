@@ -132,7 +132,7 @@ class _Connection(asyncio.Protocol):
     # ---- asyncio.Protocol ---------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]  # asyncio.Protocol's signature; a TCP connection gives a Transport
 
     def data_received(self, data: bytes) -> None:
         if self._state == _DONE:  # bytes nobody asked for: this connection cannot be trusted again
@@ -340,7 +340,7 @@ class UpstreamResponse:
 
     def release(self) -> None:
         """Give the connection back for reuse if its response was read to the end, else close it."""
-        conn, self._conn = self._conn, None  # type: ignore[assignment]
+        conn, self._conn = self._conn, None  # type: ignore[assignment]  # released: nothing reads the body after this
         if conn is not None:
             self._client._put_back(self._key, conn)
 

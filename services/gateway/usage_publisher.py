@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -58,7 +57,12 @@ class UsagePublisher:
     def settle_later(self, settling: asyncio.Future[Any], settle: Callable[[], None]) -> None:
         """Call ``settle`` (which writes the record) when ``settling`` is done; a shutdown waits for it."""
         self._settling.add(settling)
-        settling.add_done_callback(lambda f: (self._settling.discard(f), settle()))
+
+        def done(f: asyncio.Future[Any]) -> None:
+            self._settling.discard(f)
+            settle()
+
+        settling.add_done_callback(done)
 
     def _usage_message(self, data: bytes, request_id: str) -> tuple[str, bytes, dict[str, str]]:
         # Nats-Msg-Id lets the stream drop a duplicate when we resend after a lost ack.
@@ -78,8 +82,8 @@ class UsagePublisher:
                 stored = await self._acked.publish(
                     [self._usage_message(d, r.request_id) for d, r in zip(data, batch, strict=True)], timeout_s=2.0)
             finally:  # also when cancelled: what was not acked is kept on disk
-                for d, record, ok in itertools.zip_longest(data, batch, stored, fillvalue=False):
-                    if ok:
+                for i, (d, record) in enumerate(zip(data, batch, strict=True)):
+                    if i < len(stored) and stored[i]:
                         self.usage_published += 1
                     else:
                         self._quiet_log.warning("spooled", "usage of %s spooled to disk (the bus did not take it)",
