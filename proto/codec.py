@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -36,9 +37,14 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def decode(data: bytes, cls: type[T]) -> T:
-    decoder = _decoders.get(cls)
+    return _decode(_decoders, msgspec.msgpack.Decoder, data, cls)
+
+
+def _decode(decoders: dict[type[Any], Any], make: Callable[[type[Any]], Any], data: bytes, cls: type[T]) -> T:
+    """Decode with the one decoder of ``cls`` (built on first use when not prebuilt); errors as ProtoDecodeError."""
+    decoder = decoders.get(cls)
     if decoder is None:
-        decoder = _decoders.setdefault(cls, msgspec.msgpack.Decoder(cls))
+        decoder = decoders.setdefault(cls, make(cls))
     try:
         return decoder.decode(data)  # type: ignore[no-any-return]  # Decoder[Any]: the dict is keyed by cls
     except msgspec.ValidationError as exc:
@@ -53,12 +59,4 @@ def encode_json(msg: msgspec.Struct) -> bytes:
 
 
 def decode_json(data: bytes, cls: type[T]) -> T:
-    decoder = _json_decoders.get(cls)
-    if decoder is None:
-        decoder = _json_decoders.setdefault(cls, msgspec.json.Decoder(cls))
-    try:
-        return decoder.decode(data)  # type: ignore[no-any-return]  # Decoder[Any]: the dict is keyed by cls
-    except msgspec.ValidationError as exc:
-        raise ProtoDecodeError(cls.__name__, str(exc)) from exc
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise ProtoDecodeError(cls.__name__, str(exc), is_malformed=True) from exc
+    return _decode(_json_decoders, msgspec.json.Decoder, data, cls)
