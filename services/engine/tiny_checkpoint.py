@@ -145,7 +145,7 @@ def _weights(arch: str, sizes: _Sizes, seed: int, mtp_layers: int = 0) -> dict[s
     gen = torch.Generator().manual_seed(seed)
 
     def linear(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=gen) * cols**-0.5  # type: ignore[no-any-return]
+        return torch.randn(rows, cols, generator=gen) * cols**-0.5
 
     def norm(size: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(size, generator=gen)

@@ -297,6 +297,8 @@ class EngineHandle:
 class AsyncEngine(EngineHandle):
     """The core on a thread of this process."""
 
+    core: EngineCore  # the whole core, not only its prompt-encoding face: the step loop drives it
+
     def __init__(self, core: EngineCore, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(clock)
         self.core = core
