@@ -27,7 +27,8 @@ from torch import nn
 
 from services.engine.kernels import cpu_kernels as cpu_kernels
 from services.engine.kernels.backend import Backend
-from services.engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
+from services.engine.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from services.engine.model.kv_cache import KVCache
 from services.engine.model.model_config import ModelConfig
 
 # oneDNN's fp32 GEMM (the kernel inductor picks on CPU) against MKL's, which F.linear calls: on the bench

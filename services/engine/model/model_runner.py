@@ -20,8 +20,9 @@ from typing import Protocol
 
 import torch
 
-from services.engine.model.attention import KVCache, SeqSpan, build_attention_metadata
+from services.engine.model.attention import SeqSpan, build_attention_metadata
 from services.engine.model.cuda_graphs import DecodeGraphRunner, DecodeInputs, decode_metadata
+from services.engine.model.kv_cache import KVCache
 from services.engine.model.model import CausalLM
 from services.engine.model.model_config import ModelConfig
 
