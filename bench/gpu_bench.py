@@ -204,7 +204,7 @@ def check_elementwise(sizes: Sizes, report: Report) -> None:
 
 
 def _cache(sizes: Sizes, kv_cache_dtype: str, num_blocks: int) -> Any:
-    from services.engine.model.attention import KVCache, KVCacheSpec
+    from services.engine.model.kv_cache import KVCache, KVCacheSpec
 
     spec = KVCacheSpec(num_layers=1, num_kv_heads=sizes.num_kv_heads, head_dim=sizes.head_dim,
                        block_size=sizes.block_size, dtype=sizes.dtype, kv_cache_dtype=kv_cache_dtype)  # type: ignore[arg-type]

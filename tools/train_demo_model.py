@@ -44,7 +44,6 @@ import json
 import math
 import os
 import platform
-import sys
 import sysconfig
 import time
 import zlib
@@ -55,11 +54,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from torch import nn
 from tqdm import tqdm
 
-from services.engine.tiny_checkpoint import SPECIAL_TOKENS, THINK_TOKENS, _config, _Sizes, write_tokenizer_files
+from services.engine.tiny_checkpoint import ModelSizes, build_tokenizer, hf_config, write_tokenizer_files
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VAL_MODULUS = 20  # 1 document in 20 is held out
@@ -153,27 +152,27 @@ def split(docs: list[Document]) -> tuple[list[Document], list[Document]]:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE with the same special-token layout as ``tiny_checkpoint.build_tokenizer``: ids 0-2 are
-    SPECIAL_TOKENS, the last two THINK_TOKENS (ordinary added tokens, as Qwen3 has them)."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(THINK_TOKENS),
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
-    if tokenizer.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"corpus too small for {vocab_size} tokens: got {tokenizer.get_vocab_size()}")
+    """``tiny_checkpoint.build_tokenizer`` on ``texts``, refused when the corpus runs out of merges: a demo
+    model should not spend rows of its embedding on the ``<|reserved_N|>`` tokens that would pad the gap."""
+    tokenizer = build_tokenizer(vocab_size, corpus=texts)
+    num_padding = sum(t.special and t.content.startswith("<|reserved_")
+                      for t in tokenizer.get_added_tokens_decoder().values())
+    if num_padding:
+        raise RuntimeError(f"corpus too small for {vocab_size} tokens: got {vocab_size - num_padding}")
     return tokenizer
+
+
+def token_id(tokenizer: Tokenizer, token: str) -> int:
+    """The id of ``token``, which the tokenizers ``build_tokenizer`` makes always have."""
+    found = tokenizer.token_to_id(token)
+    if found is None:
+        raise RuntimeError(f"the tokenizer has no {token!r}")
+    return found
 
 
 def encode(tokenizer: Tokenizer, docs: list[Document]) -> torch.Tensor:
     """One token stream: each document followed by ``<|endoftext|>``."""
-    eot = tokenizer.token_to_id("<|endoftext|>")
+    eot = token_id(tokenizer, "<|endoftext|>")
     ids: list[int] = []
     for enc in tokenizer.encode_batch([d.text for d in docs], add_special_tokens=False):
         ids.extend(enc.ids)
@@ -193,7 +192,7 @@ class Shape:
     num_kv_heads: int = 2
     head_dim: int = 64
     intermediate_size: int = 768
-    rope_theta: float = 1000000.0  # what tiny_checkpoint._config writes for qwen3
+    rope_theta: float = 1000000.0  # what tiny_checkpoint.hf_config writes for qwen3
     rms_norm_eps: float = 1e-6
 
 
@@ -269,6 +268,8 @@ class Backbone(nn.Module):
 class Qwen3LM(nn.Module):
     """Qwen3ForCausalLM for training only, with tied embeddings: its ``state_dict`` names are HF's
     (``model.layers.N.self_attn.q_proj.weight`` …), so export is a plain save."""
+
+    inv_freq: torch.Tensor  # RoPE inverse frequencies (a non-persistent buffer)
 
     def __init__(self, s: Shape) -> None:
         super().__init__()
@@ -493,13 +494,13 @@ def export(model: Qwen3LM, tokenizer: Tokenizer, out: Path) -> None:
     """The HF checkpoint layout ``tiny_checkpoint`` writes, float32 weights."""
     s = model.s
     out.mkdir(parents=True, exist_ok=True)
-    eot, im_end = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|im_end|>")
-    sizes = _Sizes(hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=s.num_heads,
-                   num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, intermediate_size=s.intermediate_size,
-                   vocab_size=s.vocab_size, tie_word_embeddings=True)
+    eot, im_end = token_id(tokenizer, "<|endoftext|>"), token_id(tokenizer, "<|im_end|>")
+    sizes = ModelSizes(hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=s.num_heads,
+                       num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, intermediate_size=s.intermediate_size,
+                       vocab_size=s.vocab_size, tie_word_embeddings=True)
     max_positions = 4096
-    config = _config("qwen3", sizes, dtype="float32", rope_scaling=None, max_position_embeddings=max_positions,
-                     bos_token_id=eot, eos_token_id=im_end)
+    config = hf_config("qwen3", sizes, dtype="float32", rope_scaling=None, max_position_embeddings=max_positions,
+                       bos_token_id=eot, eos_token_id=im_end)
     config["rope_theta"], config["rms_norm_eps"] = s.rope_theta, s.rms_norm_eps
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = {name: t.detach().float().contiguous() for name, t in model.state_dict().items()}
@@ -528,7 +529,7 @@ def _completions(out: Path, max_tokens: int = 32) -> list[tuple[str, str]]:
     return [(p, r.text) for p, r in zip(prompts, results, strict=True)]
 
 
-def write_card(out: Path, m: dict) -> None:  # type: ignore[type-arg]
+def write_card(out: Path, m: dict[str, Any]) -> None:
     c, corpus, shape = m["train_config"], m["corpus"], m["shape"]
     size_mb = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.name != "README.md") / 1e6
     samples = "\n\n".join(
@@ -599,7 +600,7 @@ no download. It is a demo of the serving stack, not a useful assistant. Made by 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # type: ignore[union-attr]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=REPO_ROOT / "data" / "train-demo",
                         help="checkpoints, tokenizer and metrics while training")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "models" / "demo-qwen3")
@@ -624,4 +625,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

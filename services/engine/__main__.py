@@ -219,9 +219,9 @@ async def run(args: argparse.Namespace) -> None:
     async with contextlib.AsyncExitStack() as stack:
         engine: EngineHandle
         if args.in_process:
-            core = await asyncio.to_thread(EngineCore, engine_config)
-            log.info("%s", core.describe())
-            engine = await stack.enter_async_context(AsyncEngine(core))
+            engine_core = await asyncio.to_thread(EngineCore, engine_config)
+            log.info("%s", engine_core.describe())
+            engine = await stack.enter_async_context(AsyncEngine(engine_core))
         else:
             process = await stack.enter_async_context(ProcessEngine(engine_config))
             log.info("%s (core in process %s)", process.description, process.pid)

@@ -32,8 +32,7 @@ from services.engine.core.scheduler import Scheduler, SchedulerConfig, Scheduler
 from services.engine.core.stop_checker import StopChecker
 from services.engine.errors import InvalidParameterError
 from services.engine.kernels.backend import select_backend
-from services.engine.model.attention import KVCacheSpec
-from services.engine.model.kv_cache import allocate_kv_cache, free_memory_bytes
+from services.engine.model.kv_cache import KVCacheSpec, allocate_kv_cache, free_memory_bytes
 from services.engine.model.loader import load_model
 from services.engine.model.model_runner import ModelRunner, capture_decode_graphs
 from services.engine.model.sampler import Sampler, TokenLogprobs, histories, logprobs_by_request

@@ -15,6 +15,7 @@ from typing import Any
 from services.engine.config import EngineConfig
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.engine_core import EngineCore
+from services.engine.model.tokenizer import Tokenizer
 from services.engine.outputs import RequestTimings
 
 
@@ -35,7 +36,7 @@ class LLM:
         self._next_id = 0
 
     @property
-    def tokenizer(self):  # type: ignore[no-untyped-def]
+    def tokenizer(self) -> Tokenizer:
         return self.core.tokenizer
 
     def generate(self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams],

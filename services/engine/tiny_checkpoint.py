@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,9 +63,10 @@ def _corpus() -> list[str]:
     return [*docs, _EXTRA_CORPUS]
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE with exactly ``vocab_size`` tokens: ids 0-2 are SPECIAL_TOKENS, the last two are
-    THINK_TOKENS; if the corpus runs out of merges, ``<|reserved_N|>`` special tokens fill the gap."""
+def build_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None) -> Tokenizer:
+    """A byte-level BPE with exactly ``vocab_size`` tokens, trained on ``corpus`` (default: a fixed text, the
+    builtins' docstrings): ids 0-2 are SPECIAL_TOKENS, the last two are THINK_TOKENS (ordinary added tokens,
+    as Qwen3 has them); if the corpus runs out of merges, ``<|reserved_N|>`` special tokens fill the gap."""
     minimum = 256 + len(SPECIAL_TOKENS) + len(THINK_TOKENS)
     if vocab_size < minimum:
         raise ValueError(
@@ -79,7 +81,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer)
+    tokenizer.train_from_iterator(_corpus() if corpus is None else corpus, trainer)
     shortfall = vocab_size - len(THINK_TOKENS) - tokenizer.get_vocab_size()
     if shortfall > 0:
         tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(shortfall)])
@@ -89,7 +91,9 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 @dataclass(frozen=True)
-class _Sizes:
+class ModelSizes:
+    """The shape of a checkpoint's model, what :func:`hf_config` writes into config.json."""
+
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -100,9 +104,9 @@ class _Sizes:
     tie_word_embeddings: bool
 
 
-def _config(
+def hf_config(
     arch: str,
-    sizes: _Sizes,
+    sizes: ModelSizes,
     *,
     dtype: str,
     rope_scaling: dict[str, object] | None,
@@ -110,6 +114,7 @@ def _config(
     bos_token_id: int,
     eos_token_id: int,
 ) -> dict[str, object]:
+    """The config.json of an ``arch`` model (a key of ARCHITECTURES) of ``sizes``, in the transformers layout."""
     config: dict[str, object] = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
@@ -141,11 +146,11 @@ def _config(
     return config
 
 
-def _weights(arch: str, sizes: _Sizes, seed: int, mtp_layers: int = 0) -> dict[str, torch.Tensor]:
+def _weights(arch: str, sizes: ModelSizes, seed: int, mtp_layers: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
 
     def linear(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=gen) * cols**-0.5  # type: ignore[no-any-return]
+        return torch.randn(rows, cols, generator=gen) * cols**-0.5
 
     def norm(size: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(size, generator=gen)
@@ -252,7 +257,7 @@ def write_tiny_checkpoint(
     bos_id, eos_id = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|im_end|>")
     if bos_id is None or eos_id is None:
         raise AssertionError("build_tokenizer always adds <|endoftext|> and <|im_end|>")
-    sizes = _Sizes(
+    sizes = ModelSizes(
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=num_heads,
@@ -262,7 +267,7 @@ def write_tiny_checkpoint(
         vocab_size=vocab_size,
         tie_word_embeddings=tie_word_embeddings,
     )
-    config = _config(
+    config = hf_config(
         arch,
         sizes,
         dtype=dtype,

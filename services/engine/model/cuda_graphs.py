@@ -76,13 +76,12 @@ class StaticDecodeBuffers:
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device | str) -> None:
         self.max_batch_size = max_batch_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        long = {"dtype": torch.long, "device": device}
         self._inputs = DecodeInputs(
-            input_ids=torch.zeros(max_batch_size, **long),
-            positions=torch.zeros(max_batch_size, **long),
-            slot_mapping=torch.full((max_batch_size,), PAD_SLOT, **long),
-            seq_lens=torch.zeros(max_batch_size, **long),
-            block_tables=torch.zeros(max_batch_size, max_blocks_per_seq, **long),
+            input_ids=torch.zeros(max_batch_size, dtype=torch.long, device=device),
+            positions=torch.zeros(max_batch_size, dtype=torch.long, device=device),
+            slot_mapping=torch.full((max_batch_size,), PAD_SLOT, dtype=torch.long, device=device),
+            seq_lens=torch.zeros(max_batch_size, dtype=torch.long, device=device),
+            block_tables=torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.long, device=device),
         )
 
     def fits(self, inputs: DecodeInputs) -> bool:

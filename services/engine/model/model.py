@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -27,7 +27,8 @@ from torch import nn
 
 from services.engine.kernels import cpu_kernels as cpu_kernels
 from services.engine.kernels.backend import Backend
-from services.engine.model.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
+from services.engine.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from services.engine.model.kv_cache import KVCache
 from services.engine.model.model_config import ModelConfig
 
 # oneDNN's fp32 GEMM (the kernel inductor picks on CPU) against MKL's, which F.linear calls: on the bench
@@ -79,8 +80,9 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a 2-D ``x``, through oneDNN where that is faster (float32 on CPU, big enough)."""
-    if _PACKED and (packed := _packed(weight)) is not None and x.dtype == torch.float32:
-        packed_out: torch.Tensor = _ONEDNN_LINEAR(x, packed, bias, "none", [], "")  # type: ignore[misc]
+    # A weight is packed only when _ONEDNN_LINEAR exists; the test says so to the type checker too.
+    if _PACKED and _ONEDNN_LINEAR is not None and (packed := _packed(weight)) is not None and x.dtype == torch.float32:
+        packed_out: torch.Tensor = _ONEDNN_LINEAR(x, packed, bias, "none", [], "")
         return packed_out
     weight_numel = weight.shape[0] * weight.shape[1]
     if (
@@ -295,6 +297,8 @@ class CausalLM(nn.Module):
     """
 
     inv_freq: torch.Tensor  # RoPE inverse frequencies [head_dim / 2], float32 (a non-persistent buffer)
+    rope_cos: torch.Tensor  # the Triton path's RoPE tables (non-persistent buffers, only with backend="triton")
+    rope_sin: torch.Tensor
 
     def __init__(
         self,
@@ -449,7 +453,7 @@ class CausalLM(nn.Module):
 
         residual = F.embedding(input_ids, self.embed_tokens)
         x: torch.Tensor | None = None
-        for layer in self.layers:
+        for layer in cast("Iterable[DecoderLayer]", self.layers):
             norm1, norm2, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
             if x is None:
                 h = kn.rms_norm(residual, norm1.weight, norm1.eps)

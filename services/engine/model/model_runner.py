@@ -20,8 +20,9 @@ from typing import Protocol
 
 import torch
 
-from services.engine.model.attention import KVCache, SeqSpan, build_attention_metadata
+from services.engine.model.attention import SeqSpan, build_attention_metadata
 from services.engine.model.cuda_graphs import DecodeGraphRunner, DecodeInputs, decode_metadata
+from services.engine.model.kv_cache import KVCache
 from services.engine.model.model import CausalLM
 from services.engine.model.model_config import ModelConfig
 
@@ -99,16 +100,16 @@ class ModelRunner:
         from services.engine.kernels.decode_attention import default_num_splits
 
         attention = self.model.attention
-        saved = attention.num_splits  # type: ignore[attr-defined]
+        saved = attention.num_splits  # type: ignore[attr-defined]  # graphs are captured only on TritonPagedAttention
         # Fixed for the bucket: a graph replays the launch shape it recorded.
-        attention.num_splits = default_num_splits(  # type: ignore[attr-defined]
+        attention.num_splits = default_num_splits(  # type: ignore[attr-defined]  # as above: Triton backend only
             self._graph_max_seq_len, inputs.num_seqs, self.config.num_key_value_heads)
         try:
             meta = decode_metadata(inputs, self.block_size, self._graph_max_seq_len)
             hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_cache)
             return self.model.compute_logits(hidden)
         finally:
-            attention.num_splits = saved  # type: ignore[attr-defined]
+            attention.num_splits = saved  # type: ignore[attr-defined]  # as above: Triton backend only
 
     def run(self, seqs: Sequence[StepSeq]) -> torch.Tensor:
         """Compute one step; return float32 logits ``[number of seqs with needs_logits, vocab_size]`` in

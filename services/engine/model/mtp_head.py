@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.model.attention import AttentionMetadata, KVCache
+from services.engine.model.attention import AttentionMetadata
+from services.engine.model.kv_cache import KVCache
 from services.engine.model.model import CausalLM, DecoderLayer, RMSNorm, linear, rms_norm, rope_tables
 from services.engine.model.model_config import ModelConfig
 

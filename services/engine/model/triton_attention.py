@@ -18,7 +18,8 @@ import torch
 from services.engine.kernels.decode_attention import decode_attention, default_num_splits
 from services.engine.kernels.extend_attention import extend_attention
 from services.engine.kernels.kv_write import write_kv
-from services.engine.model.attention import AttentionMetadata, KVCache
+from services.engine.model.attention import AttentionMetadata
+from services.engine.model.kv_cache import KVCache
 
 
 class TritonPagedAttention:

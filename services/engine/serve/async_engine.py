@@ -38,8 +38,10 @@ from services.engine.serve.frontend import PromptEncoder
 log = logging.getLogger(__name__)
 
 
+# The commands the step loop takes: its protocol with both engines (a queue in AsyncEngine, a pipe to
+# ProcessEngine's child, which pickles them).
 @dataclass(frozen=True)
-class _Add:
+class AddCommand:
     request_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams
@@ -47,11 +49,11 @@ class _Add:
 
 
 @dataclass(frozen=True)
-class _Abort:
+class AbortCommand:
     request_id: str
 
 
-_Command = _Add | _Abort | None  # None: stop (abort what is left and return)
+Command = AddCommand | AbortCommand | None  # None: stop (abort what is left and return)
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -106,7 +108,7 @@ class StreamInterval:
         return ready
 
 
-def run_step_loop(core: EngineCore, clock: Callable[[], float], next_command: Callable[[float], _Command],
+def run_step_loop(core: EngineCore, clock: Callable[[], float], next_command: Callable[[float], Command],
                   on_added: Callable[[str, BaseException | None], None],
                   publish: Callable[[list[RequestOutput], EngineSnapshot, bool], None],
                   on_step_error: Callable[[BaseException], None]) -> None:
@@ -133,7 +135,7 @@ def run_step_loop(core: EngineCore, clock: Callable[[], float], next_command: Ca
                 for rid in core.unfinished_request_ids():
                     core.abort(rid, clock())
                 return
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, AddCommand):
                 try:
                     core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, clock(), cmd.source)
                     on_added(cmd.request_id, None)
@@ -266,14 +268,14 @@ class EngineHandle:
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         try:
-            await self._submit(_Add(request_id, prompt_token_ids, params, source))
+            await self._submit(AddCommand(request_id, prompt_token_ids, params, source))
         except BaseException:
             stream.finished = True
             self._streams.pop(request_id, None)
             raise
         return stream
 
-    async def _submit(self, add: _Add) -> None:
+    async def _submit(self, add: AddCommand) -> None:
         raise NotImplementedError
 
     def abort(self, request_id: str) -> None:
@@ -297,10 +299,12 @@ class EngineHandle:
 class AsyncEngine(EngineHandle):
     """The core on a thread of this process."""
 
+    core: EngineCore  # the whole core, not only its prompt-encoding face: the step loop drives it
+
     def __init__(self, core: EngineCore, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(clock)
         self.core = core
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._adds: dict[str, concurrent.futures.Future[None]] = {}
         self._thread: threading.Thread | None = None
         self._set_snapshot(core.snapshot(clock()))
@@ -316,17 +320,17 @@ class AsyncEngine(EngineHandle):
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
-    async def _submit(self, add: _Add) -> None:
+    async def _submit(self, add: AddCommand) -> None:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._adds[add.request_id] = done
         self._commands.put(add)
         await asyncio.wrap_future(done)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self._commands.put(AbortCommand(request_id))
 
     def _run(self) -> None:
-        def next_command(timeout_s: float) -> _Command:
+        def next_command(timeout_s: float) -> Command:
             return self._commands.get(timeout=timeout_s) if timeout_s > 0 else self._commands.get_nowait()
 
         def on_added(request_id: str, exc: BaseException | None) -> None:

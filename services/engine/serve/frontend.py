@@ -115,7 +115,7 @@ def output_chunk(tokenizer: Tokenizer, request_id: str, index: int, output: Requ
     t = output.timings
     return TokenChunk(
         request_id=request_id, index=index, text=output.text, token_ids=list(output.token_ids), logprobs=logprobs,
-        finish_reason=output.finish_reason,  # type: ignore[arg-type]
+        finish_reason=output.finish_reason,  # type: ignore[arg-type]  # the core's str is a FinishReason
         usage=Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
                     cached_tokens=output.num_cached_tokens),
         timings=Timings(

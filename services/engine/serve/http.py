@@ -18,6 +18,7 @@ from pathlib import Path
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from nats.aio.client import Client
 
 from proto import EnergySample, RequestTokens, TokenChunk, Usage, encode, subjects
@@ -140,7 +141,7 @@ class EngineService:
     # ---- HTTP ---------------------------------------------------------------------------------------
 
     @web.middleware
-    async def _auth(self, request: web.Request, handler):  # type: ignore[no-untyped-def]
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self.config.api_key and request.path.startswith("/v1/"):
             header = request.headers.get("Authorization", "")
             token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""

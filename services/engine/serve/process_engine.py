@@ -28,7 +28,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.model.tokenizer import Tokenizer
 from services.engine.outputs import EngineSnapshot, RequestOutput
-from services.engine.serve.async_engine import EngineHandle, _Abort, _Add, _Command, run_step_loop
+from services.engine.serve.async_engine import AbortCommand, AddCommand, Command, EngineHandle, run_step_loop
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +137,11 @@ def _child_main(config: EngineConfig, conn: Connection) -> None:
     conn.send(_Ready(core.model_id, core.max_context, core.describe(), core.snapshot(clock())))
     replies = _PipeWriter(conn, "engine-replies")
 
-    def next_command(timeout_s: float) -> _Command:
+    def next_command(timeout_s: float) -> Command:
         try:
             if not conn.poll(timeout_s):
                 raise queue.Empty
-            cmd: _Command = conn.recv()
+            cmd: Command = conn.recv()
         except (EOFError, OSError):  # the parent is gone: stop
             return None
         return cmd
@@ -271,7 +271,7 @@ class ProcessEngine(EngineHandle):
         if self._conn is not None:
             self._conn.close()
 
-    async def _submit(self, add: _Add) -> None:
+    async def _submit(self, add: AddCommand) -> None:
         if self._gone:  # (the process may not be reaped yet: its pipe closing is what says it is gone)
             raise RuntimeError(f"the engine process is gone: {self.step_error}")
         assert self._loop is not None
@@ -283,7 +283,7 @@ class ProcessEngine(EngineHandle):
 
     def abort(self, request_id: str) -> None:
         if self._commands is not None:
-            self._commands.put(_Abort(request_id))
+            self._commands.put(AbortCommand(request_id))
 
     def _on_readable(self) -> None:
         assert self._conn is not None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +37,7 @@ from proto import (
     encode,
     subjects,
 )
+from proto.fleet import WorkerState
 from services.common.runtime import new_session_id, raise_if_cancelling
 from services.engine.errors import DeadlineExceededError, EngineError
 from services.engine.outputs import RequestOutput
@@ -67,7 +69,7 @@ class BusWorker:
         self._seq = 0
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._changed = asyncio.Event()
-        self._state = "ready"
+        self._state: WorkerState = "ready"
         self._last_hb_s = 0.0
         engine.on_change(self._changed.set)
 
@@ -100,7 +102,7 @@ class BusWorker:
         self._seq += 1
         return SlotHeartbeat(
             worker_id=self.config.worker_id, session_id=self.session_id, seq=self._seq, ts_s=time.time(),
-            model_id=self.model_id, engine_kind="native", backend="nats", state=self._state,  # type: ignore[arg-type]
+            model_id=self.model_id, engine_kind="native", backend="nats", state=self._state,
             lanes=snap.lanes, running=s.num_running, waiting=s.num_waiting, max_pending=snap.max_pending,
             max_context=snap.max_context, kv_usage=s.kv_usage, kv_blocks_used=s.num_kv_blocks_used,
             kv_blocks_total=s.num_kv_blocks_total, kv_evictions_total=s.num_evictions_total,
@@ -159,7 +161,10 @@ class BusWorker:
             return
         task = asyncio.create_task(self._serve(req, msg.reply), name=f"gen-{req.request_id}")
         self._tasks[req.request_id] = task
-        task.add_done_callback(lambda _t, rid=req.request_id: self._tasks.pop(rid, None))
+        task.add_done_callback(functools.partial(self._forget_task, req.request_id))
+
+    def _forget_task(self, request_id: str, _task: asyncio.Task[None]) -> None:
+        self._tasks.pop(request_id, None)
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:
@@ -199,9 +204,9 @@ class BusWorker:
                 first = await self._first_output_by(outputs, stream, req.deadline_s)
                 if first is None:  # still waiting for its first token at the deadline: dropped, its slot freed
                     self.engine.count_deadline_dropped()
-                    exc = DeadlineExceededError(req.deadline_s, self._wall_clock(), "while queued")
+                    late = DeadlineExceededError(req.deadline_s, self._wall_clock(), "while queued")
                     await self._reply(inbox, TokenChunk(request_id=req.request_id, index=1, finish_reason="error",
-                                                        error=error_info(exc), worker_id=self.config.worker_id))
+                                                        error=error_info(late), worker_id=self.config.worker_id))
                     return
                 index += 1
                 await self._reply(inbox, output_chunk(self.engine.core.tokenizer, req.request_id, index, first,

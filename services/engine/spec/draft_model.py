@@ -36,7 +36,7 @@ from services.engine.core.block_pool import BlockPool
 from services.engine.core.request import Request
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.errors import SpeculativeDecodingError
-from services.engine.model.attention import KVCache, KVCacheDtype, KVCacheSpec
+from services.engine.model.kv_cache import KVCache, KVCacheDtype, KVCacheSpec
 from services.engine.model.loader import load_model
 from services.engine.model.model import CausalLM
 from services.engine.model.model_config import ModelConfig

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from services.engine.model.attention import KVCache, KVCacheDtype, KVCacheSpec, SeqSpan, build_attention_metadata
+from services.engine.model.attention import SeqSpan, build_attention_metadata
+from services.engine.model.kv_cache import KVCache, KVCacheDtype, KVCacheSpec
 from services.engine.model.loader import load_mtp_head
 from services.engine.model.model import CausalLM
 from services.engine.model.model_config import ModelConfig

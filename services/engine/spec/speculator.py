@@ -21,7 +21,7 @@ import torch
 
 from services.engine.core.request import Request, RequestStatus
 from services.engine.core.scheduler import SchedulerOutput
-from services.engine.model.attention import KVCache, KVCacheDtype
+from services.engine.model.kv_cache import KVCache, KVCacheDtype
 from services.engine.model.model import CausalLM
 from services.engine.model.model_config import ModelConfig
 from services.engine.model.sampler import sampling_probs

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.model.attention import KVCache, KVCacheSpec
+from services.engine.model.kv_cache import KVCache, KVCacheSpec
 from services.engine.model.loader import load_model
 from services.engine.model.model import CausalLM
 from services.engine.model.model_config import ModelConfig

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from services.engine.kernels import cpu_kernels
-from services.engine.model.attention import KVCache, KVCacheSpec, SeqSpan, TorchPagedAttention, build_attention_metadata
+from services.engine.model.attention import SeqSpan, TorchPagedAttention, build_attention_metadata
+from services.engine.model.kv_cache import KVCache, KVCacheSpec
 
 fused = cpu_kernels.fused_decode()
 # Under CI (.ci/run installs g++ and sets LLMGW_CI=1) a kernel that cannot be built fails instead of skipping.

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.model.attention import KVCache, KVCacheSpec, SeqSpan, build_attention_metadata
+from services.engine.model.attention import SeqSpan, build_attention_metadata
+from services.engine.model.kv_cache import KVCache, KVCacheSpec
 from services.engine.model.loader import load_model
 from services.engine.tiny_checkpoint import write_tiny_checkpoint
 from tests.unit.engine.model_helpers import PROMPT, make_runner, reversed_blocks, runner_greedy

@@ -85,19 +85,17 @@ from services.engine.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     default_num_splits,
 )
+from services.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX  # noqa: E402
 from services.engine.kernels.kv_write import write_kv  # noqa: E402
 from services.engine.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from services.engine.kernels.rope import rope_  # noqa: E402
 from services.engine.model import model as model_module  # noqa: E402
 from services.engine.model.attention import (  # noqa: E402
-    FP8_DTYPE,
-    FP8_MAX,
-    KVCache,
-    KVCacheSpec,
     SeqSpan,
     TorchPagedAttention,
     build_attention_metadata,
 )
+from services.engine.model.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from services.engine.model.triton_attention import TritonPagedAttention  # noqa: E402
 
 # (atol, rtol). bf16's are wide because the interpreter's float32 -> bfloat16 cast truncates instead of
