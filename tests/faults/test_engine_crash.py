@@ -58,8 +58,10 @@ async def test_a_killed_engine_fails_over_queued_requests_and_ends_streaming_one
 
             # 8 long streams on 2 engines of 2 lanes: both engines run two and queue two (queued ones have no text yet);
             # 2,000 tokens each, so the victim is still streaming when it is killed (the tiny model is fast)
-            first_wave = [asyncio.create_task(post(http, url, chat_body(2000, True, f"long {i}"), g.auth, saw_text))
-                          for i in range(8)]
+            # (a long total limit: the queued half runs after the first half, which on a loaded 2-core machine can
+            # take over a minute; the assertions below are about how the streams end, not how fast)
+            first_wave = [asyncio.create_task(post(http, url, chat_body(2000, True, f"long {i}"), g.auth, saw_text,
+                                                   timeout_s=240.0)) for i in range(8)]
             await wait_until(lambda: streaming >= 3, 30, what="both engines streaming")
             victim = max(("e1", "e2"), key=lambda m: gw.fleet.record(m).in_flight)
             survivor = "e2" if victim == "e1" else "e1"
