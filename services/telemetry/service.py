@@ -155,10 +155,10 @@ class TelemetryService:
                 del self.members[mid]
                 log.info("stopped watching %s: no pool names it any more", mid)
         for mid, member in wanted.items():
-            state = self.members.get(mid)
-            if state is not None and state.from_pools and state.member.api_key != member.api_key:
-                state.member = dataclasses.replace(state.member, api_key=member.api_key)  # a new key: next scrape
-            if mid not in self.members:
+            known = self.members.get(mid)
+            if known is not None and known.from_pools and known.member.api_key != member.api_key:
+                known.member = dataclasses.replace(known.member, api_key=member.api_key)  # a new key: next scrape
+            if known is None:
                 state = self.members[mid] = MemberState(member, from_pools=True)
                 self._start(state)
                 log.info("watching %s (%s): a pool names it now", mid, member.url)

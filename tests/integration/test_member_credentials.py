@@ -176,3 +176,32 @@ async def test_telemetry_sends_the_members_key_on_every_scrape_request(nats_serv
             with contextlib.suppress(BaseException):
                 await task
     assert seen and all(auth == f"Bearer {SECRET}" for _, auth in seen)
+
+
+async def test_telemetry_scrapes_with_a_new_key_once_the_pools_change_it(nats_server: EmbeddedNatsServer) -> None:
+    seen: list[str | None] = []
+
+    async def anything(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", anything)
+    async with contextlib.AsyncExitStack() as es:
+        url = await es.enter_async_context(serving(app, "127.0.0.1", 0))
+        nc = await connect(nats_server.url, "telemetry")
+        es.push_async_callback(nc.drain)
+        await ensure_bus(nc)
+        telemetry = TelemetryService(nc, TelemetryConfig(members=(), interval_s=0.1))
+        task = asyncio.create_task(telemetry.run())
+        try:
+            await wait_for(lambda: telemetry._group is not None)
+            telemetry.follow_pools([Member("p1", url, api_key="sk-old")])
+            await wait_for(lambda: "Bearer sk-old" in seen)
+            telemetry.follow_pools([Member("p1", url, api_key="sk-new")])
+            await wait_for(lambda: "Bearer sk-new" in seen)
+        finally:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    assert set(seen) == {"Bearer sk-old", "Bearer sk-new"}
