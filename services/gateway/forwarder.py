@@ -4,7 +4,8 @@ until one accepts (bus: chunk 0 and its first text; HTTP: a status line that is 
 A member that does not take the request raises :class:`services.gateway.errors.MemberFailure` (never
 after anything reached the client); the loop books, unbooks and marks members down in the fleet,
 counts decisions and failovers in :class:`GatewayMetrics`, and fills the request's :class:`Outcome`
-(member, status, tokens, first-token time) for its usage record. All down → 503 + Retry-After.
+(member, status, tokens, first-token time) for its usage record. All down → 503 + Retry-After (502 naming
+the member when a member refused the gateway's own key, errors.CREDENTIALS_REJECTED).
 """
 
 from __future__ import annotations
