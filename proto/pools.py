@@ -22,6 +22,13 @@ A member's ``backend`` is an ``http(s)://`` URL (any OpenAI-compatible server), 
 our engines on the bus), or ``bus:*`` (every bus worker serving the member's ``model_id``). Engines on the
 bus that no pool names are offered under their own model id (discovery).
 
+An HTTP member that wants a key (vLLM or our engine with ``--api-key``, a hosted API) gets
+``"api_key_env": "VAR"`` — the name of an environment variable read when the file is parsed (missing or
+empty: a ConfigError naming the key) — or, discouraged, a literal ``"api_key"`` (a warning at every
+:func:`load`). Either is sent as ``Authorization: Bearer`` on every request to that member, by the gateway
+and by telemetry. The key is a secret: :class:`MemberConfig`'s repr masks it, :func:`to_dict` writes only
+what the file held (the env var's name, or the literal the operator wrote), and the pages never show it.
+
 Validation is strict: unknown keys, wrong types, bad URLs and out-of-range weights are errors that name
 the key path (``model_pools.qwen.members[1].backend: …``). A broken file at reload keeps the old config.
 
@@ -41,6 +48,8 @@ uses it from here.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -53,16 +62,19 @@ from msgspec import Meta
 from proto.admin import ConfigChanged
 from proto.codec import ProtoDecodeError, decode_json, encode_json
 
+log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _ID_SAFE = re.compile(r"[^A-Za-z0-9_-]+")
 _ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}\Z"  # \Z, not $: "$" also matches before a trailing newline
 # http(s) URLs are checked further by _checked_member (host, port, no query); bus ids fully here
+_ENV_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z"
 _BACKEND_PATTERN = r"^(https?://|bus:(\*|[A-Za-z0-9_-]{1,128})\Z)"
 
 # what a failed regex means, in words, per key (msgspec's message shows the pattern)
 _PATTERN_REASONS = {
     "backend": "must be an http(s):// URL, bus:<worker_id> (of [A-Za-z0-9_-]) or bus:*",
     "id": "must be 1-128 of [A-Za-z0-9_-]",
+    "api_key_env": "must be an environment variable name ([A-Za-z_][A-Za-z0-9_]*)",
 }
 
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
@@ -85,6 +97,14 @@ class MemberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     backend: Annotated[str, Meta(pattern=_BACKEND_PATTERN)]  # http(s) URL, "bus:<worker_id>" or "bus:*"
     capacity_weight: Annotated[float, Meta(gt=0.0)] = 1.0
     max_context: Annotated[int, Meta(ge=1)] | None = None
+    # the env var holding the member's key; parse() reads it into api_key (to_dict writes only the name back)
+    api_key_env: Annotated[str, Meta(pattern=_ENV_PATTERN)] | None = None
+    api_key: NonEmptyStr | None = None  # sent as "Authorization: Bearer"; a literal in the file is discouraged
+
+    def __repr__(self) -> str:  # the key never reaches a log line through a repr
+        shown = {f: getattr(self, f) for f in self.__struct_fields__ if f != "api_key"}
+        fields = ", ".join(f"{k}={v!r}" for k, v in shown.items())
+        return f"MemberConfig({fields}, api_key={'<set>' if self.api_key else None})"
 
     @property
     def is_http(self) -> bool:
@@ -284,6 +304,18 @@ def _checked_member(m: MemberConfig, path: str) -> MemberConfig:
             raise ConfigError(f"{path}.backend", f"bad port in {m.backend!r}") from None
         if not parts.hostname or parts.query or parts.fragment:
             raise ConfigError(f"{path}.backend", f"not a usable base URL: {m.backend!r}")
+        if parts.username is not None and (m.api_key or m.api_key_env):
+            raise ConfigError(f"{path}.api_key", "give a key or user:password in the backend URL, not both")
+    elif m.api_key or m.api_key_env:
+        raise ConfigError(f"{path}.{'api_key_env' if m.api_key_env else 'api_key'}",
+                          "only http(s) members take a key (bus members are ours)")
+    if m.api_key_env is not None:
+        if m.api_key is not None:
+            raise ConfigError(f"{path}.api_key", "give api_key or api_key_env, not both")
+        key = os.environ.get(m.api_key_env, "")
+        if not key:
+            raise ConfigError(f"{path}.api_key_env", f"environment variable {m.api_key_env} is not set or empty")
+        m = msgspec.structs.replace(m, api_key=key)
     member_id = m.member_id or default_member_id(m.backend, m.model_id)
     if not re.fullmatch(_ID_PATTERN, member_id):
         raise ConfigError(f"{path}.id", f"{_PATTERN_REASONS['id']}, got {member_id!r}")
@@ -333,7 +365,13 @@ def load(path: Path) -> GatewayFileConfig:
                           ) from None
     except (ValueError, RecursionError) as exc:  # an integer of over 4,300 digits; nesting past the stack
         raise ConfigError("config", f"{path} is not usable JSON: {exc}") from None
-    return parse(data)
+    config = parse(data)
+    for pool in config.pools.values():
+        for i, m in enumerate(pool.members):
+            if m.api_key is not None and m.api_key_env is None:
+                log.warning("config model_pools.%s.members[%d].api_key: the member's key is stored in %s; "
+                            "prefer api_key_env (the name of an environment variable)", pool.name, i, path)
+    return config
 
 
 def to_dict(config: GatewayFileConfig) -> dict[str, Any]:
@@ -347,6 +385,10 @@ def to_dict(config: GatewayFileConfig) -> dict[str, Any]:
                 entry["max_context"] = m.max_context
             if m.member_id != default_member_id(m.backend, m.model_id):
                 entry["id"] = m.member_id
+            if m.api_key_env is not None:
+                entry["api_key_env"] = m.api_key_env  # the name only: the key stays in the environment
+            elif m.api_key is not None:
+                entry["api_key"] = m.api_key  # the operator's literal, kept (pages never render it)
             members.append(entry)
         pools[name] = {"members": members, "cache_affinity": p.cache_affinity,
                        "overflow_threshold": p.overflow_threshold, "sticky_bias": p.sticky_bias,

@@ -80,6 +80,16 @@ def _member(form: dict[str, str], prefix: str, path: str, result: FormResult) ->
     return member
 
 
+def _keep_credentials(members: list[dict[str, Any]], before: list[dict[str, Any]]) -> None:
+    """The page neither shows nor edits a member's key: a member whose backend was in the pool keeps its
+    ``api_key_env`` / ``api_key`` (the secret never travels through the browser)."""
+    for member in members:
+        old = next((m for m in before if m.get("backend") == member["backend"]), None)
+        for key in ("api_key_env", "api_key"):
+            if old is not None and key in old:
+                member[key] = old[key]
+
+
 def from_form(form: dict[str, str], current: dict[str, Any]) -> FormResult:
     """The posted form applied to ``current`` (sections the page does not show are kept as they are)."""
     raw = copy.deepcopy(current)
@@ -113,6 +123,7 @@ def from_form(form: dict[str, str], current: dict[str, Any]) -> FormResult:
         new = _member(form, f"{prefix}.member.new", f"{path}.members[{len(members)}]", result)
         if new is not None:
             members.append(new)
+        _keep_credentials(members, pool.get("members", []))
         pool["members"] = members
         pools[name] = pool
         i += 1

@@ -9,13 +9,17 @@
 The forwarder (:mod:`services.gateway.forwarder`) catches the base class and reads its fields, never
 the type: ``error`` is the member's own answer when it refused for a reason the client may be told
 (a 400/413 about the request is re-raised at once; a 429 is kept and reported if no member accepts);
-``is_bus_down`` says our own bus connection failed, which is not held against the member.
+``is_bus_down`` says our own bus connection failed, which is not held against the member. A member
+that refused the gateway's own key (401/403) carries an ``error`` with code :data:`CREDENTIALS_REJECTED`
+(a 502 naming the member): it is down like a 5xx, and that error is the answer if no member accepts.
 Everything the client is answered with is :class:`services.common.http.HTTPError`.
 """
 
 from __future__ import annotations
 
 from services.common.http import HTTPError
+
+CREDENTIALS_REJECTED = "member_credentials_rejected"  # the code of the 502 for a member's 401/403
 
 
 class MemberFailure(Exception):

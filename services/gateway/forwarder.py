@@ -4,7 +4,8 @@ until one accepts (bus: chunk 0 and its first text; HTTP: a status line that is 
 A member that does not take the request raises :class:`services.gateway.errors.MemberFailure` (never
 after anything reached the client); the loop books, unbooks and marks members down in the fleet,
 counts decisions and failovers in :class:`GatewayMetrics`, and fills the request's :class:`Outcome`
-(member, status, tokens, first-token time) for its usage record. All down → 503 + Retry-After.
+(member, status, tokens, first-token time) for its usage record. All down → 503 + Retry-After (502 naming
+the member when a member refused the gateway's own key, errors.CREDENTIALS_REJECTED).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from services.common.http import HTTPError
 from services.common.prom import E2E_BUCKETS_S, Histogram
 from services.common.runtime import ThrottledLog
 from services.gateway import bus_backend, pools, routing, routing_adapter
-from services.gateway.errors import MemberFailure
+from services.gateway.errors import CREDENTIALS_REJECTED, MemberFailure
 from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend
 from services.gateway.pools_file import PoolsFile
@@ -109,6 +110,7 @@ class Forwarder:
         outcome.meter.prompt_tokens_estimate = decision.request.prompt_tokens
         prompt_chars = decision.request.prompt_tokens * routing.CHARS_PER_TOKEN
         last_error: HTTPError | None = None
+        credentials_error: HTTPError | None = None  # a member refused the gateway's key: say so if none accepts
         for attempt, member_id in enumerate(decision.ranked):
             ref = refs[member_id]
             if parsed.endpoint == "embeddings" and ref.kind != "http":
@@ -140,6 +142,8 @@ class Forwarder:
                     last_error = error  # e.g. 429 queue full: try the next member, report this if none
                 elif not bus_down:
                     self.fleet.mark_down(member_id, time.time())
+                    if error is not None and error.code == CREDENTIALS_REJECTED:
+                        credentials_error = credentials_error or error
                 self._quiet_log.warning(f"unavailable:{member_id}:{bus_down}",
                                         "member %s unavailable for %s: %s", member_id, request_id, exc)
                 self.metrics.failovers[member_id] += 1
@@ -154,6 +158,8 @@ class Forwarder:
             return response
         if last_error is not None:
             raise last_error
+        if credentials_error is not None:
+            raise credentials_error
         outcome.member_id = ""
         raise HTTPError(503, f"no engine of '{parsed.model}' can take the request right now; retry shortly",
                         code="no_backend_available", retry_after_s=5)

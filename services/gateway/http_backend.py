@@ -4,7 +4,10 @@ Streams are passed through event by event with no buffering. The gateway always 
 ``stream_options.include_usage`` so it can account every request, and strips that usage chunk again
 when the client did not ask for it. Failure before the first byte (connect error, 5xx, 408, no
 response headers within the first-byte deadline) raises :class:`MemberUnavailable` so the caller can
-fail over; any other 4xx is the request's own fault and is passed to the client as-is. A member that
+fail over; so does a 401/403: the member refused the *gateway's* key (the member's ``api_key`` /
+``api_key_env``), not the client's, which the gateway checked already — the client's ``Authorization``
+is never forwarded, the member's own key is sent instead. Any other 4xx is the request's own fault and
+is passed to the client as-is. A member that
 dies mid-answer fails over too when nothing has reached the client yet (a non-streaming answer), and
 ends the stream with an error event otherwise.
 
@@ -26,7 +29,7 @@ from proto import Usage
 from proto.pools import MemberConfig
 from services.common.http import HTTPError, error_body
 from services.common.runtime import raise_if_cancelling
-from services.gateway.errors import MemberUnavailable
+from services.gateway.errors import CREDENTIALS_REJECTED, MemberUnavailable
 from services.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse, UpstreamTimeout
 from services.gateway.usage_meter import UsageMeter
 
@@ -34,6 +37,7 @@ _json = msgspec.json.Encoder()
 _MAX_HELD_LINE = 1 << 20  # bytes of an unfinished line held back while waiting for its end
 _MAX_TOKENS = 2**31 - 1
 _RETRYABLE = frozenset({408, 500, 502, 503, 504})
+_CREDENTIALS_REJECTED = frozenset({401, 403})
 ENDPOINT_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions",
                   "embeddings": "/v1/embeddings"}
 
@@ -93,6 +97,18 @@ def _retry_after(value: str | None) -> float | None:
         return None  # an HTTP date: rare from engines; the gateway's own default applies
 
 
+def credentials_rejected(member: MemberConfig, status: int) -> HTTPError:
+    """What the client is told when the member refused the gateway's own key (the client's key was fine)."""
+    if member.api_key_env:
+        fix = f"check the key in ${member.api_key_env} (the member's api_key_env in the pools file)"
+    elif member.api_key:
+        fix = "check the member's api_key in the pools file"
+    else:
+        fix = "the member wants a key: set its api_key_env (or api_key) in the pools file"
+    return HTTPError(502, f"member {member.member_id!r} rejected the gateway's credentials (HTTP {status}); {fix}",
+                     code=CREDENTIALS_REJECTED, type="server_error")
+
+
 class HttpBackend:
     def __init__(self, first_byte_timeout_s: float, request_timeout_s: float) -> None:
         self.first_byte_timeout_s = first_byte_timeout_s
@@ -120,10 +136,12 @@ class HttpBackend:
             if continuous_usage:
                 options["continuous_usage_stats"] = True
             upstream["stream_options"] = options
+        sent = {"Content-Type": "application/json", **headers}
+        if member.api_key:  # the member's key, never the client's (the caller passes no Authorization)
+            sent["Authorization"] = f"Bearer {member.api_key}"
         try:
             resp = await self.client.post(member.backend, ENDPOINT_PATHS[endpoint], _json.encode(upstream),
-                                          {"Content-Type": "application/json", **headers},
-                                          self.first_byte_timeout_s, self.request_timeout_s)
+                                          sent, self.first_byte_timeout_s, self.request_timeout_s)
         except UpstreamTimeout:
             raise MemberUnavailable(member.member_id, "no response within the first-byte deadline") from None
         except UpstreamError as exc:
@@ -133,6 +151,10 @@ class HttpBackend:
         if resp.status in _RETRYABLE:
             resp.release()
             raise MemberUnavailable(member.member_id, f"upstream answered {resp.status}", resp.status)
+        if resp.status in _CREDENTIALS_REJECTED:
+            resp.release()
+            raise MemberUnavailable(member.member_id, f"rejected the gateway's credentials ({resp.status})",
+                                    resp.status, credentials_rejected(member, resp.status))
         if resp.status >= 400:
             try:
                 async with asyncio.timeout(self.first_byte_timeout_s):

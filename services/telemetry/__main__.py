@@ -83,7 +83,7 @@ def build_config(args: argparse.Namespace) -> TelemetryConfig:
         interval_s = pools.metrics.poll_interval  # pool_config bounds it to 0.1..60 s
         for m in pools.http_members():
             if m.member_id not in known:
-                members.append(Member(m.member_id, m.backend.rstrip("/"), lanes.get(m.member_id)))
+                members.append(Member(m.member_id, m.backend.rstrip("/"), lanes.get(m.member_id), m.api_key))
                 from_pools.add(m.member_id)
     unknown = sorted(set(lanes) - {m.member_id for m in members})
     if unknown:

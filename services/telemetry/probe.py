@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from proto import EnergyReading, EnergySample, SlotHeartbeat
@@ -16,11 +16,13 @@ Transition = Literal["down", "recovered"]
 
 @dataclass(frozen=True)
 class Member:
-    """An HTTP engine to watch. ``lanes``: the operator's max_num_seqs for engines that do not export it."""
+    """An HTTP engine to watch. ``lanes``: the operator's max_num_seqs for engines that do not export it;
+    ``api_key``: the pools file's key for the member, sent as ``Authorization: Bearer`` on every scrape."""
 
     member_id: str
     url: str
     lanes: int | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret: kept out of reprs and logs
 
 
 @dataclass

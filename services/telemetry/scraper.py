@@ -10,6 +10,9 @@ forks and our engine also export ``llamacpp:*`` and ``vllm:*`` metrics, so ``/sl
 
 Per scrape afterwards: ninfer 2 requests (``/slots``, ``/usage`` concurrently), vllm/sglang 1, llamacpp 1 or 2,
 stock 1. ``/v1/models`` (model id, vLLM's ``max_model_len``) is read at detection only.
+
+A member with a key in the pools file gets it as ``Authorization: Bearer`` on every request, not only
+``/v1/*`` (vLLM's ``--api-key`` guards only ``/v1``, but a hosted API or a proxy in front may guard all).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from services.telemetry.probe import Member
 from services.telemetry.promparse import Exposition, PromParseError, parse
 
 _json = msgspec.json.Decoder()
+
+
+def _auth(member: Member) -> dict[str, str] | None:
+    return {"Authorization": f"Bearer {member.api_key}"} if member.api_key else None
 
 
 class ScrapeError(Exception):
@@ -59,7 +66,7 @@ class Scraper:
 
     async def _fetch(self, member: Member, path: str) -> bytes:
         try:
-            async with self.http.get(member.url.rstrip("/") + path) as resp:
+            async with self.http.get(member.url.rstrip("/") + path, headers=_auth(member)) as resp:
                 body = await resp.read()
                 if resp.status != 200:
                     raise ScrapeError(member.member_id, path, f"HTTP {resp.status}")
@@ -71,7 +78,7 @@ class Scraper:
         """``GET /health`` answers 200; a body that claims to be JSON must be JSON (a server answering
         garbage everywhere is broken, not "reachable")."""
         try:
-            async with self.http.get(member.url.rstrip("/") + "/health") as resp:
+            async with self.http.get(member.url.rstrip("/") + "/health", headers=_auth(member)) as resp:
                 body = await resp.read()
                 if resp.status != 200:
                     raise ScrapeError(member.member_id, "/health", f"HTTP {resp.status}")

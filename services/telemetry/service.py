@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -129,7 +130,8 @@ class TelemetryService:
         except ConfigError as exc:
             log.warning("ignored a config-changed message: %s", exc)
             return
-        self.follow_pools([Member(m.member_id, m.backend.rstrip("/")) for m in config.http_members()])
+        self.follow_pools([Member(m.member_id, m.backend.rstrip("/"), api_key=m.api_key)
+                           for m in config.http_members()])
         if self.config.is_interval_from_pools:
             self.set_interval(config.metrics.poll_interval)
 
@@ -153,7 +155,10 @@ class TelemetryService:
                 del self.members[mid]
                 log.info("stopped watching %s: no pool names it any more", mid)
         for mid, member in wanted.items():
-            if mid not in self.members:
+            known = self.members.get(mid)
+            if known is not None and known.from_pools and known.member.api_key != member.api_key:
+                known.member = dataclasses.replace(known.member, api_key=member.api_key)  # a new key: next scrape
+            if known is None:
                 state = self.members[mid] = MemberState(member, from_pools=True)
                 self._start(state)
                 log.info("watching %s (%s): a pool names it now", mid, member.url)
