@@ -1,4 +1,10 @@
-"""``llmgw accounting``: config → wiring → run."""
+"""``llmgw accounting``: config → wiring → run.
+
+What it wires: flags, the pools file's prices and ``--tariff`` rates → ``AccountingConfig``; one NATS
+connection (``services.common.bus``) → ``AccountingService`` (service.py: the durable ``USAGE``/``ENERGY``
+consumers, the DuckDB ledger in store.py, the ``llm.v1.accounting.{sql,costs,key_energy}`` responders and
+the admin HTTP server), run until a signal under ``run_async_main``.
+"""
 
 from __future__ import annotations
 

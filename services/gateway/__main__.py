@@ -1,4 +1,10 @@
-"""``llmgw gateway``: config → wiring → run."""
+"""``llmgw gateway``: config → wiring → run.
+
+What it wires: flags → ``GatewayConfig``, the pools file (``proto.pools``) → ``GatewayFileConfig``; one
+NATS connection (``services.common.bus``) → ``GatewayService`` (service.py, which wires the forwarder,
+the usage publisher, the pools file, the peers, heartbeat intake and the pages), served on its HTTP port
+until a signal under ``run_async_main``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""``llmgw telemetry``: config → wiring → run."""
+"""``llmgw telemetry``: config → wiring → run.
+
+What it wires: ``--member``/``--discover`` flags and the pools file's HTTP members → ``TelemetryConfig``;
+one NATS connection (``services.common.bus``) → ``TelemetryService`` (service.py: one scrape loop per
+member over scraper.py, heartbeats on ``llm.v1.hb.<id>`` and energy on ``ENERGY``, its own ``/metrics``),
+run until a signal under ``run_async_main``.
+"""
 
 from __future__ import annotations
 
