@@ -307,6 +307,7 @@ def main(argv: list[str]) -> int:
     if findings:
         print(f"check_layers: {len(findings)} finding(s) under {root}", file=sys.stderr)
         return 1
+    print(f"check_layers: no import circle and no upward import under {root}", file=sys.stderr)
     return 0
 
 
