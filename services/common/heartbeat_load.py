@@ -17,7 +17,11 @@ VLLM_KV_WEIGHT = 0.3
 VLLM_WAITING_WEIGHT = 0.1
 VLLM_WAITING_CAP = 5
 
-LANE_KINDS = frozenset({"native", "ninfer"})
+# Kinds whose heartbeat counts lanes the lane formula reads: our engines (lanes), llama.cpp (``/slots``: one
+# entry per slot, ``is_processing``; ``llamacpp:requests_deferred`` waiting) and SGLang
+# (``sglang:max_running_requests``, ``num_running_reqs``, ``num_queue_reqs``). Issue #24: llama.cpp's signal was
+# collected and shown, then ignored, so a member with every slot busy took requests over an idle one.
+LANE_KINDS = frozenset({"native", "ninfer", "llamacpp", "sglang"})
 
 # Our engines' weights (pools file ``metrics``: the gateway may set others) and the KV occupancy that counts
 # as pressure.

@@ -49,6 +49,8 @@ class Engine:
     metrics: str | None = None  # a vllm or sglang /metrics body other than the sample one
     slots: dict[str, Any] = field(default_factory=samples.ninfer_slots)
     usage: dict[str, Any] = field(default_factory=lambda: samples.ninfer_usage({"2026-01-01": 10.0}))
+    llama_busy: list[bool] = field(default_factory=lambda: [True, False, False])  # llama.cpp /slots is_processing
+    models: dict[str, Any] | None = None  # a /v1/models body other than the kind's sample one
     chats: int = 0
     hits: collections.Counter[str] = field(default_factory=collections.Counter)
 
@@ -78,6 +80,8 @@ class Engine:
         add = app.router.add_get
         models = {"vllm": samples.VLLM_MODELS, "llamacpp": samples.LLAMACPP_MODELS,
                   "llamacpp-old": samples.LLAMACPP_MODELS}.get(self.kind, {"object": "list", "data": [{"id": "tiny"}]})
+        if self.models is not None:
+            models = self.models
         add("/v1/models", js(lambda: models))
         add("/health", js(lambda: {"status": "ok"}))
         if self.kind == "vllm":
@@ -85,8 +89,9 @@ class Engine:
         elif self.kind == "sglang":
             add("/metrics", text(self.metrics or samples.SGLANG_METRICS))
         elif self.kind == "llamacpp":
-            add("/slots", js(lambda: samples.llamacpp_slots([True, False, False])))
-            add("/metrics", text(samples.LLAMACPP_METRICS))
+            add("/slots", js(lambda: samples.llamacpp_slots(self.llama_busy)))
+            add("/metrics", text(self.metrics or samples.LLAMACPP_METRICS))
+            app.router.add_post("/v1/chat/completions", self._chat)
         elif self.kind == "llamacpp-old":  # an older build, run without --metrics
             add("/slots", js(lambda: samples.llamacpp_slots([True, True], old=True)))
         elif self.kind == "ninfer":
@@ -436,11 +441,26 @@ async def test_a_saved_pools_file_s_poll_interval_retimes_scrapes_at_once_unless
 # ---- end to end: the gateway routes by what telemetry published -----------------------------------------------
 
 
-async def test_the_gateway_routes_to_the_member_telemetry_says_is_idle(nc: Client, tmp_path: Path) -> None:
+def _llamacpp_metrics(processing: int, deferred: int, kv: float) -> str:
+    return (samples.LLAMACPP_METRICS
+            .replace("llamacpp:requests_processing 1", f"llamacpp:requests_processing {processing}")
+            .replace("llamacpp:requests_deferred 2", f"llamacpp:requests_deferred {deferred}")
+            .replace("llamacpp:kv_cache_usage_ratio 0.25", f"llamacpp:kv_cache_usage_ratio {kv}"))
+
+
+@pytest.mark.parametrize("kind", ["ninfer", "llamacpp"])
+async def test_the_gateway_routes_to_the_member_telemetry_says_is_idle(nc: Client, tmp_path: Path, kind: str) -> None:
     async with contextlib.AsyncExitStack() as es:
-        busy, idle = Engine("ninfer"), Engine("ninfer")
-        busy.slots = samples.ninfer_slots(running=8, waiting=3, lanes=8, model="tiny")
-        idle.slots = samples.ninfer_slots(running=0, waiting=0, lanes=8, model="tiny")
+        busy, idle = Engine(kind), Engine(kind)
+        if kind == "ninfer":
+            busy.slots = samples.ninfer_slots(running=8, waiting=3, lanes=8, model="tiny")
+            idle.slots = samples.ninfer_slots(running=0, waiting=0, lanes=8, model="tiny")
+            expected_busy = (8, 3, 0.75 + 0.15 * 3 / 4)  # lanes full and a queue: 0.75·1 + 0.15·min(3/4, 1) + 0.10·0
+        else:  # issue #24: every slot processing, 3 deferred, KV 0.95 — the signal was shown, then ignored
+            busy.llama_busy, busy.metrics = [True] * 4, _llamacpp_metrics(4, 3, 0.95)
+            idle.llama_busy, idle.metrics = [False] * 4, _llamacpp_metrics(0, 0, 0.1)
+            busy.models = idle.models = {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+            expected_busy = (4, 3, 0.75 + 0.15 * min(3 / 2, 1) + 0.10 * 0.95)  # 4 slots = lanes
         urls = [await es.enter_async_context(serving(e.app(), "127.0.0.1", 0)) for e in (busy, idle)]
         busy_id, idle_id = (pool_config.member_id_for(u) for u in urls)
         pools = tmp_path / "pools.json"
@@ -484,19 +504,18 @@ async def test_the_gateway_routes_to_the_member_telemetry_says_is_idle(nc: Clien
         async with asyncio.timeout(10):
             while not await both_scored():
                 await asyncio.sleep(0.05)
-        assert rows[busy_id]["engine_kind"] == rows[idle_id]["engine_kind"] == "ninfer"
-        assert (rows[busy_id]["running"], rows[busy_id]["waiting"]) == (8, 3)
-        # busy: lanes full and a queue: 0.75·1 + 0.15·min(3/4, 1) + 0.10·0; idle: 0
-        assert rows[busy_id]["load_score"] == pytest.approx(0.75 + 0.15 * 3 / 4)
+        assert rows[busy_id]["engine_kind"] == rows[idle_id]["engine_kind"] == kind
+        assert (rows[busy_id]["running"], rows[busy_id]["waiting"]) == expected_busy[:2]
+        assert rows[busy_id]["load_score"] == pytest.approx(expected_busy[2])
         assert rows[idle_id]["load_score"] == 0.0
         assert rows[busy_id]["stale"] is False and rows[busy_id]["heartbeat_age_s"] < 1.0
 
-        for i in range(4):
+        for i in range(10):
             async with http.post(base + "/v1/chat/completions", json={
                     "model": "tiny", "messages": [{"role": "user", "content": f"hello {i}"}]}) as resp:
                 assert resp.status == 200, await resp.text()
                 assert (await resp.json())["choices"][0]["message"]["content"] == "hi"
-        assert (busy.chats, idle.chats) == (0, 4)
+        assert (busy.chats, idle.chats) == (0, 10)
 
 
 async def test_members_follow_the_pools_a_gateway_saves(nc: Client) -> None:

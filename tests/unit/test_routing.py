@@ -105,11 +105,23 @@ def test_the_vllm_score_is_the_interop_formula_parity_table(running, waiting, kv
         expected)
 
 
-@pytest.mark.parametrize("kind", ["llamacpp", "sglang", "stock"])
+@pytest.mark.parametrize("kind", ["stock"])
 def test_engines_without_a_lane_signal_have_no_score_and_load_zero(kind: str) -> None:
     assert load_score(kind, hb(kind=kind, running=5), None, 0, W) is None
     p = choose([member(hb("a", kind=kind, running=5))])
     assert sheet(p, "a").load == 0.0 and sheet(p, "a").basis == "no_signal"
+
+
+@pytest.mark.parametrize("kind", ["llamacpp", "sglang"])
+def test_llamacpp_slots_and_sglang_running_requests_are_lanes_scored_by_the_lane_formula(kind: str) -> None:
+    # llama.cpp: 4 slots, all processing, 3 deferred (the issue-24 shape); the lane formula, as for our engines
+    busy = hb("busy", kind=kind, lanes=4, running=4, waiting=3, kv=0.95)
+    idle = hb("idle", kind=kind, lanes=4, running=0, waiting=0, kv=0.1)
+    assert load_score(kind, busy, None, 0, W) == pytest.approx(0.75 + 0.15 * 1.0 + 0.10 * 0.95)
+    assert load_score(kind, idle, None, 0, W) == 0.0
+    assert load_score(kind, hb(kind=kind, lanes=None, running=2), None, 0, W) is None  # no slot count: no signal
+    p = choose([member(busy), member(idle)])
+    assert p.member_id == "idle" and sheet(p, "busy").load > sheet(p, "idle").load
 
 
 def test_a_ninfer_heartbeat_without_lanes_is_no_signal_too() -> None:
