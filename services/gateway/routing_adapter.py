@@ -136,11 +136,16 @@ class Router:
         out = []
         for ref in resolved.members:
             rec = fleet.record(ref.member_id)
-            hb = rec.heartbeat
+            hb, previous = rec.heartbeat, rec.previous
+            if ref.kind == "http" and hb is not None and hb.state == "down":
+                # telemetry could not scrape it (a slow or failing /metrics): that is no signal, not a failed
+                # member. Route it by the gateway's own in-flight count; its answers (connect errors, 5xx) are
+                # what take it out (fleet.is_down). Issue #24: a 2.5 s /metrics made a one-member pool answer 503.
+                hb, previous = None, None
             out.append(routing.MemberState(
                 member_id=ref.member_id, engine_kind=hb.engine_kind if hb else "stock",
                 capacity_weight=ref.capacity_weight, max_context=ref.max_context, heartbeat=hb,
-                previous=rec.previous, received_s=rec.received_s, routed_total=rec.routed_total,
+                previous=previous, received_s=rec.received_s, routed_total=rec.routed_total,
                 admitted=fleet.admitted(ref.member_id), in_flight=rec.in_flight,
                 is_down=fleet.is_down(ref.member_id, now_s), pending_prefill_chars=rec.pending_prefill_chars,
             ))

@@ -51,6 +51,7 @@ class Engine:
     usage: dict[str, Any] = field(default_factory=lambda: samples.ninfer_usage({"2026-01-01": 10.0}))
     llama_busy: list[bool] = field(default_factory=lambda: [True, False, False])  # llama.cpp /slots is_processing
     models: dict[str, Any] | None = None  # a /v1/models body other than the kind's sample one
+    metrics_delay_s: float = 0.0  # a slow /metrics (the rest answers at once)
     chats: int = 0
     hits: collections.Counter[str] = field(default_factory=collections.Counter)
 
@@ -68,6 +69,8 @@ class Engine:
 
         def text(body: str) -> Callable[[web.Request], Any]:
             async def handler(request: web.Request) -> web.Response:
+                if request.path == "/metrics" and self.metrics_delay_s:
+                    await asyncio.sleep(self.metrics_delay_s)
                 return web.Response(text=body, content_type="text/plain")
             return handler
 
@@ -86,6 +89,7 @@ class Engine:
         add("/health", js(lambda: {"status": "ok"}))
         if self.kind == "vllm":
             add("/metrics", text(self.metrics or samples.VLLM_METRICS))
+            app.router.add_post("/v1/chat/completions", self._chat)
         elif self.kind == "sglang":
             add("/metrics", text(self.metrics or samples.SGLANG_METRICS))
         elif self.kind == "llamacpp":
@@ -516,6 +520,39 @@ async def test_the_gateway_routes_to_the_member_telemetry_says_is_idle(nc: Clien
                 assert resp.status == 200, await resp.text()
                 assert (await resp.json())["choices"][0]["message"]["content"] == "hi"
         assert (busy.chats, idle.chats) == (0, 10)
+
+
+async def test_a_slow_metrics_endpoint_leaves_a_one_member_pool_serving(nc: Client, tmp_path: Path) -> None:
+    """Issue #24: a vLLM whose /metrics takes 2.5 s (telemetry's scrape limit is 2 s) still answers chat: telemetry
+    reports it down, the gateway routes it by its own in-flight count instead of answering 503."""
+    async with contextlib.AsyncExitStack() as es:
+        slow = Engine("vllm", metrics_delay_s=2.5, models={"object": "list", "data": [{"id": "tiny"}]})
+        url = await es.enter_async_context(serving(slow.app(), "127.0.0.1", 0))
+        member_id = pool_config.member_id_for(url)
+        pools = pool_config.parse({"model_pools": {"tiny": {"members": [{"model_id": "tiny", "backend": url}]}}})
+        gateway = GatewayService(nc, GatewayConfig(gateway_id="gw1", port=0, data_dir=tmp_path), pools)
+        await es.enter_async_context(gateway.running())
+        base = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
+        telemetry = TelemetryService(nc, TelemetryConfig(members=(Member(member_id, url),), interval_s=0.2))
+        task = asyncio.create_task(telemetry.run())
+
+        async def stop() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        es.push_async_callback(stop)
+        await wait_for(lambda: (hb := gateway.fleet.record(member_id).heartbeat) is not None and hb.state == "down",
+                       30)
+        assert gateway.bootstrap is not None
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {gateway.bootstrap[1]}"}) as http:
+            for i in range(3):
+                async with http.post(base + "/v1/chat/completions", json={
+                        "model": "tiny", "messages": [{"role": "user", "content": f"hello {i}"}]}) as resp:
+                    assert resp.status == 200, await resp.text()
+            async with http.get(base + "/backends") as resp:
+                row = next(r for r in (await resp.json())["members"] if r["member_id"] == member_id)
+        assert slow.chats == 3
+        assert row["state"] == "down"  # /backends still says what telemetry saw
 
 
 async def test_members_follow_the_pools_a_gateway_saves(nc: Client) -> None:
