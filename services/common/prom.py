@@ -60,41 +60,40 @@ def _number(value: float) -> str:
 
 
 class PromText:
-    """Builds one exposition; each metric family is declared once with HELP and TYPE."""
+    """Builds one exposition; each metric family is declared once with HELP and TYPE, and its samples are
+    written together under it whatever order they were added in (per-member rows added member by member
+    would otherwise interleave families, and a parser reads a family's stray later samples as untyped)."""
 
     def __init__(self) -> None:
-        self._lines: list[str] = []
-        self._declared: set[str] = set()
+        self._families: dict[str, list[str]] = {}  # name -> HELP, TYPE, then its samples; insertion-ordered
 
-    def _declare(self, name: str, kind: str, help_text: str) -> None:
-        if name not in self._declared:
-            self._declared.add(name)
+    def _family(self, name: str, kind: str, help_text: str) -> list[str]:
+        lines = self._families.get(name)
+        if lines is None:
             escaped = help_text.replace("\\", "\\\\").replace("\n", "\\n")  # the format's HELP escapes
-            self._lines.append(f"# HELP {name} {escaped}")
-            self._lines.append(f"# TYPE {name} {kind}")
+            lines = self._families[name] = [f"# HELP {name} {escaped}", f"# TYPE {name} {kind}"]
+        return lines
 
     def gauge(self, name: str, help_text: str, value: float | None, labels: Mapping[str, str] = {}) -> None:
         if value is None:  # unknown is absent, never a made-up 0
             return
-        self._declare(name, "gauge", help_text)
-        self._lines.append(f"{name}{_labels(labels)} {_number(value)}")
+        self._family(name, "gauge", help_text).append(f"{name}{_labels(labels)} {_number(value)}")
 
     def counter(self, name: str, help_text: str, value: float | None, labels: Mapping[str, str] = {}) -> None:
         """``name`` ends in ``_total``; the family is declared under the same name."""
         if value is None:
             return
-        self._declare(name, "counter", help_text)
-        self._lines.append(f"{name}{_labels(labels)} {_number(value)}")
+        self._family(name, "counter", help_text).append(f"{name}{_labels(labels)} {_number(value)}")
 
     def histogram(self, name: str, help_text: str, hist: Histogram, labels: Mapping[str, str] = {}) -> None:
-        self._declare(name, "histogram", help_text)
+        lines = self._family(name, "histogram", help_text)
         cumulative = 0
         for bound, n in zip(hist.buckets, hist.counts, strict=True):
             cumulative += n
-            self._lines.append(f"{name}_bucket{_labels({**labels, 'le': _number(float(bound))})} {cumulative}")
-        self._lines.append(f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {hist.count}")
-        self._lines.append(f"{name}_sum{_labels(labels)} {_number(hist.total)}")
-        self._lines.append(f"{name}_count{_labels(labels)} {hist.count}")
+            lines.append(f"{name}_bucket{_labels({**labels, 'le': _number(float(bound))})} {cumulative}")
+        lines.append(f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {hist.count}")
+        lines.append(f"{name}_sum{_labels(labels)} {_number(hist.total)}")
+        lines.append(f"{name}_count{_labels(labels)} {hist.count}")
 
     def render(self) -> str:
-        return "\n".join(self._lines) + "\n"
+        return "\n".join(line for lines in self._families.values() for line in lines) + "\n"
