@@ -59,6 +59,11 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
+# The text format's media type, version included (scrapers such as the production-stack router and older
+# Prometheus versions pick the parser by it).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
 class PromText:
     """Builds one exposition; each metric family is declared once with HELP and TYPE, and its samples are
     written together under it whatever order they were added in (per-member rows added member by member

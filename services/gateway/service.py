@@ -35,7 +35,7 @@ from proto import Usage, UsageRecord, subjects
 from proto import pools as pool_config
 from services.common import openai_api
 from services.common.http import HTTPError, body_deadline_middleware, error_middleware, read_json_object, serving
-from services.common.prom import PromText
+from services.common.prom import CONTENT_TYPE, PromText
 from services.common.runtime import HotPathLog, ThrottledLog, new_session_id
 from services.gateway import pools, routing_adapter
 from services.gateway.auth import Admission, Auth, LimitExceeded, parse_networks, save_usage_periodically
@@ -306,7 +306,7 @@ class GatewayService:
         ):
             for row in rows:
                 m.gauge(name, help_text, row[key], {"pool": row["pool"], "member": row["member_id"]})
-        return web.Response(text=m.render(), content_type="text/plain", charset="utf-8")
+        return web.Response(body=m.render().encode(), headers={"Content-Type": CONTENT_TYPE})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "chat.completions")

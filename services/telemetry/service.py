@@ -29,6 +29,7 @@ from nats.js.kv import KeyValue
 from proto import SlotHeartbeat, encode, subjects
 from proto import pools as pool_config
 from services.common.http import error_middleware
+from services.common.prom import CONTENT_TYPE
 from services.common.runtime import ConfigError, new_session_id, raise_if_cancelling
 from services.telemetry import discovery, schedule, views
 from services.telemetry.normalize import MalformedBody, Reading, models_info
@@ -321,7 +322,7 @@ class TelemetryService:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         text = views.metrics_text(self.statuses(), time.time())
-        return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _members(self, request: web.Request) -> web.Response:
         return web.json_response(views.members_body(self.statuses(), time.time()))

@@ -419,6 +419,7 @@ async def test_explain_backends_openapi_and_metrics_describe_the_pool(pool: Pool
     assert {p: set(ops) for p, ops in documented.items()} == served
 
     async with pool.session.get(pool.base_url + "/metrics") as resp:
+        assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
         text = await resp.text()
     parsed = list(text_string_to_metric_families(text))
     families = {f.name: f for f in parsed}

@@ -176,6 +176,7 @@ async def test_metrics_parse_with_prometheus_client_and_carry_all_three_dialects
         await client(s.url).completions.create(model="tiny", prompt="hello", max_tokens=4)
         async with http.get(s.url + "/metrics") as r:
             assert r.headers["Content-Type"].startswith("text/plain")
+            assert "version=0.0.4" in r.headers["Content-Type"]  # scrapers pick the text parser by it
             text = await r.text()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

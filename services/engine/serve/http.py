@@ -25,6 +25,7 @@ from proto import EnergySample, RequestTokens, TokenChunk, Usage, encode, subjec
 from services.common import openai_api, openai_stream
 from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W, CounterLimits
 from services.common.http import HTTPError, error_middleware, read_json_object, serving
+from services.common.prom import CONTENT_TYPE
 from services.common.runtime import new_session_id, raise_if_cancelling
 from services.engine.errors import EngineError
 from services.engine.outputs import RequestOutput
@@ -193,8 +194,7 @@ class EngineService:
     async def metrics(self, request: web.Request) -> web.Response:
         text = metrics_text(self.core.model_id, self.engine.snapshot(), self.requests, self.uptime_s,
                             self.energy_j_total, self.core.config.block_size, self.engine.num_deadline_dropped)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Prometheus-Format": "0.0.4"})
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE, "X-Prometheus-Format": "0.0.4"})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "chat.completions")
