@@ -21,6 +21,8 @@ from services.engine.serve.async_engine import AsyncEngine
 from services.engine.serve.energy import ReplayMeter, UnavailableMeter
 from services.engine.serve.http import EngineService, ServeConfig, http_site
 from services.engine.serve.usage_ledger import utc_day
+from services.telemetry.normalize import ModelsInfo, vllm_reading
+from services.telemetry.promparse import parse as parse_exposition
 from tests.conftest import LONG_GENERATION_TOKENS
 from tests.integration.conftest import wait_for
 
@@ -191,6 +193,12 @@ async def test_metrics_parse_with_prometheus_client_and_carry_all_three_dialects
                   if smp.name.endswith("_count")]
     assert ttft_count == [1.0]
     assert "ninfer:energy_joules" not in families  # unavailable energy is absent, not 0
+    # what vLLM-shaped readers need (issue #24): the pre-0.10 KV name, and lanes in cache_config_info, which
+    # telemetry's vLLM reader turns into lanes for the router's vLLM formula
+    assert "vllm:gpu_cache_usage_perc" in families
+    exposition = parse_exposition(text)
+    reading = vllm_reading(exposition, ModelsInfo(model_ids=("tiny",)))
+    assert reading.lanes == 2 and reading.kv_capacity_tokens is not None
 
 
 async def test_error_paths_have_the_right_status(tiny_model: Path, tmp_path: Path) -> None:

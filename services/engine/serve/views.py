@@ -148,6 +148,8 @@ def metrics_text(model_id: str, snap: EngineSnapshot, req: RequestStats, uptime_
     m.gauge("vllm:num_requests_running", "Requests in model execution batches.", s.num_running, model)
     m.gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", s.num_waiting, model)
     m.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage, model)
+    # vLLM's name before v0.10; the production-stack router and older llm-d schedulers still read it
+    m.gauge("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage, model)
     m.counter("vllm:prompt_tokens_total", "Prefill tokens processed.", snap.prompt_tokens_total, model)
     m.counter("vllm:generation_tokens_total", "Generation tokens processed.", snap.output_tokens_total, model)
     m.counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in tokens.", s.num_prompt_tokens_queried,
@@ -171,7 +173,7 @@ def metrics_text(model_id: str, snap: EngineSnapshot, req: RequestStats, uptime_
                       n, {**model, "position": str(pos)})
     m.gauge("vllm:cache_config_info", "Information of the KV cache configuration.", 1,
             {"block_size": str(block_size), "num_gpu_blocks": str(s.num_kv_blocks_total),
-             "enable_prefix_caching": "True"})
+             "enable_prefix_caching": "True", "max_num_seqs": str(snap.lanes)})  # lanes, for vLLM-shaped readers
     # llama.cpp / NInfer-fork names (the existing gateway reads these).
     m.counter("llamacpp:prompt_tokens_total", "Prompt tokens processed.", snap.prompt_tokens_total)
     m.counter("llamacpp:tokens_predicted_total", "Generation tokens processed.", snap.output_tokens_total)
