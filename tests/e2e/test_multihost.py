@@ -322,7 +322,7 @@ def test_the_gateway_serves_through_a_cut_engine_link_and_uses_the_engine_again_
             "--data-dir", str(tmp_path / "gw"), "--gateway-id", "gw1",
         ], "llmgw gateway ready:", env))
         for p in procs[1:]:
-            p.wait_ready(60)
+            p.wait_ready(240)  # a start-up wait: an engine's first CPU-kernel build on a busy machine
         assert f"listening on {GATEWAY_URL}" in procs[-1].wait_ready(1)
         wait_until("the gateway hears both engines", lambda: view().is_fresh("e1") and view().is_fresh("e2"), 30)
         # Traffic stays on the namespaces' own addresses: each engine and the gateway reach NATS from theirs.

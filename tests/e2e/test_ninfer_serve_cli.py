@@ -27,7 +27,7 @@ def test_convert_then_serve_the_single_file_artifact_with_the_runbook_flags(tiny
                        str(state), "--data-dir", str(tmp_path / "data")], marker="llmgw engine ready:")
     proc = served.proc
     try:
-        url = served.wait_ready(60).split("listening on ")[1].split()[0]
+        url = served.wait_ready(240).split("listening on ")[1].split()[0]  # start-up: a first kernel build
         log = served.output
         assert "free RAM" in log and "KV capacity" in log and "lanes 8" in log and "queue 64" in log
         with urllib.request.urlopen(url + "/v1/models") as r:

@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -77,7 +78,11 @@ def _cpu_flags() -> str:
 
 
 def _extension_name() -> str:
-    digest = hashlib.sha256("\0".join([_SOURCE, " ".join(_CFLAGS), torch.__version__, _cpu_flags()]).encode())
+    # sys.prefix: one build folder per environment. torch writes the venv's include paths into the folder's
+    # build.ninja, so two venvs sharing one folder (a checkout and its fresh clone, an upgrade beside the old
+    # install) rebuild it in turn on every engine start, each build a minute or more on a busy machine.
+    digest = hashlib.sha256("\0".join([_SOURCE, " ".join(_CFLAGS), torch.__version__, _cpu_flags(),
+                                       sys.prefix]).encode())
     return f"ninfer_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
