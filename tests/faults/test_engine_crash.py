@@ -68,8 +68,8 @@ async def test_a_killed_engine_fails_over_queued_requests_and_ends_streaming_one
             engines[victim].kill()
             killed_at = time.monotonic()
             # sent right after the kill, before any heartbeat could be missed: no responder → next member
-            second_wave = [asyncio.create_task(post(http, url, chat_body(16, True, f"short {i}"), g.auth))
-                           for i in range(4)]
+            second_wave = [asyncio.create_task(post(http, url, chat_body(16, True, f"short {i}"), g.auth,
+                                                    timeout_s=240.0)) for i in range(4)]  # queued behind the long
             await wait_until(lambda: not _routable(gw, victim), 5, 0.005, what="victim marked down")
             marked_down_s = time.monotonic() - killed_at
             results = await asyncio.gather(*first_wave, *second_wave)
