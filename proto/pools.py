@@ -95,8 +95,12 @@ class MemberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     member_id: Annotated[str, Meta(pattern=_ID_PATTERN)] = msgspec.field(default="", name="id")
     model_id: NonEmptyStr
     backend: Annotated[str, Meta(pattern=_BACKEND_PATTERN)]  # http(s) URL, "bus:<worker_id>" or "bus:*"
-    capacity_weight: Annotated[float, Meta(gt=0.0)] = 1.0
-    max_context: Annotated[int, Meta(ge=1)] | None = None
+    # 0 (the Go gateway's "unset"): the member's lanes from its heartbeat are its weight
+    capacity_weight: Annotated[float, Meta(ge=0.0)] = 1.0
+    max_context: Annotated[int, Meta(ge=1)] | None = None  # 0 in the file (the engine's own value) reads as None
+    # the engine's max_num_seqs where it does not export it (vLLM); else metrics.backend_max_seqs, then
+    # metrics.default_max_seqs (docs/telemetry.md)
+    max_seqs: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
     # the env var holding the member's key; parse() reads it into api_key (to_dict writes only the name back)
     api_key_env: Annotated[str, Meta(pattern=_ENV_PATTERN)] | None = None
     api_key: NonEmptyStr | None = None  # sent as "Authorization: Bearer"; a literal in the file is discouraged
@@ -124,7 +128,8 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     overflow_threshold: Fraction = 0.95
     sticky_bias: Fraction = 0.2
     capacity_bias: Fraction = 0.1
-    max_pool_share: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    # soft fairness cap (0 = off): a member past this share of the pool's routes today gets no new conversation
+    max_pool_share: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     aliases: tuple[NonEmptyStr, ...] = ()
 
 
@@ -140,6 +145,23 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     ninfer_lane_weight: Fraction = 0.75
     ninfer_queue_weight: Fraction = 0.15
     ninfer_pressure_weight: Fraction = 0.10
+    # vLLM does not export max_num_seqs: lanes for members that do not say (the Go gateway's default 3; 0 = 3)
+    default_max_seqs: Annotated[int, Meta(ge=0, le=1_000_000)] = 3
+    backend_max_seqs: dict[str, Annotated[int, Meta(ge=0, le=1_000_000)]] = msgspec.field(default_factory=dict)
+
+    def max_seqs_for(self, member: MemberConfig) -> int | None:
+        """The operator's lane count for ``member``: its own ``max_seqs``, else ``backend_max_seqs`` by backend
+        URL (trailing ``/`` ignored; 0 means "not set", as upstream); None when neither says."""
+        if member.max_seqs:
+            return member.max_seqs
+        for backend, n in self.backend_max_seqs.items():
+            if n > 0 and backend.rstrip("/") == member.backend.rstrip("/"):
+                return n
+        return None
+
+    @property
+    def default_lanes(self) -> int:
+        return self.default_max_seqs or 3
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -151,6 +173,12 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_concurrent_per_key: Annotated[int, Meta(ge=1, le=100_000)] = 64
     # what a limit reservation counts for a request without max_tokens (docs/admin.md, "Limits")
     reserve_output_tokens: Annotated[int, Meta(ge=1, le=10_000_000)] = 1024
+    # the Go gateway's keys with a meaning here: the listen port when neither --port nor $LLMGW_PORT says;
+    # callers from the file's local_networks need no key when trust_local_networks is on; GET /v1/models
+    # needs a key when models_require_auth is on (it is public otherwise, as upstream)
+    port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+    trust_local_networks: bool = False
+    models_require_auth: bool = False
 
 
 class GatewayFileConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -159,6 +187,7 @@ class GatewayFileConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     price_book: dict[str, Prices] = msgspec.field(default_factory=dict)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     limits: Limits = msgspec.field(default_factory=Limits, name="gateway")
+    local_networks: tuple[NonEmptyStr, ...] = ()  # trusted when gateway.trust_local_networks is on
 
     def pool_for(self, model: str) -> PoolConfig | None:
         """The pool a client's model name (pool name or alias) refers to."""
@@ -335,10 +364,82 @@ def _pool(name: str, raw: Any) -> PoolConfig:
     return msgspec.structs.replace(pool, name=name, members=members)
 
 
-def parse(data: Any) -> GatewayFileConfig:
-    """Validate the parsed file; every problem is a ConfigError naming the key."""
+# The Go llm-gateway's keys that mean nothing here, and why (docs/deploy.md, "Coming from the Go gateway"):
+# a file written for it loads with one warning per key instead of a refusal.
+_UPSTREAM_IGNORED = {
+    "discovery": "list HTTP engines as pool members; engines on the bus are discovered without configuration",
+    "hosts": "energy is each engine's own measured counter; host overhead watts and capex are not modelled",
+    "cache": "the model catalogue is built from live heartbeats, there is nothing to cache",
+    "image_prompting": "images are not served",
+    "alerts": "alerting is Prometheus' job here (deploy/observability)",
+    "rag": "document search is not part of this gateway",
+    "model_capabilities": "capabilities are not overridden here",
+    "overflow_pairs": "overflow happens within a pool (overflow_threshold)",
+    "public_models": "every pool and discovered model is listed",
+}
+_UPSTREAM_IGNORED_GATEWAY = {
+    "api_keys_file": "keys live in the gateway's identity store (llmgw admin keys create)",
+    "internal_api_key_file": "services authenticate on the bus, not with a shared key",
+    "users_file": "users live in the gateway's identity store (llmgw admin users)",
+    "usage_file": "usage goes to the accounting ledger (DuckDB)",
+    "public_base_url": "pages use the URL the browser came in on",
+}
+_UPSTREAM_IGNORED_POOL = {"large_prompt_tokens": "members that cannot hold a prompt are skipped by max_context"}
+_UPSTREAM_IGNORED_MEMBER = {"large_context": "give the member's max_context instead"}
+_PRICE_KEYS = frozenset({"prompt_usd_per_m", "cached_usd_per_m", "output_usd_per_m"})
+
+
+def _without(section: dict[str, Any], ignored: dict[str, str], path: str, warnings: list[str]) -> dict[str, Any]:
+    for key in sorted(set(section) & set(ignored)):
+        warnings.append(f"config {path}{key}: ignored ({ignored[key]})")
+    return {k: v for k, v in section.items() if k not in ignored}
+
+
+def _upstream(data: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
+    """A Go-gateway file in this gateway's form: its keys with a meaning here keep their upstream semantics
+    (flat ``price_book`` = every model's price, ``max_context: 0`` = the engine's value, top-level
+    ``backend_max_seqs``), the rest are dropped with a warning each. Files in our own form pass unchanged."""
+    data = _without(data, _UPSTREAM_IGNORED, "", warnings)
+    book = data.get("price_book")
+    if isinstance(book, dict) and book and set(book) <= _PRICE_KEYS and not any(isinstance(v, dict)
+                                                                                for v in book.values()):
+        data["price_book"] = {"*": book}  # upstream: one price book for every model
+    if isinstance(data.get("gateway"), dict):
+        data["gateway"] = _without(data["gateway"], _UPSTREAM_IGNORED_GATEWAY, "gateway.", warnings)
+    if "backend_max_seqs" in data:  # SPEC §10 lists it at the top as well as under metrics
+        top = data.pop("backend_max_seqs")
+        metrics = data.get("metrics", {})
+        if isinstance(top, dict) and isinstance(metrics, dict):
+            inner = metrics.get("backend_max_seqs", {})
+            data["metrics"] = {**metrics, "backend_max_seqs": {**top, **inner} if isinstance(inner, dict) else inner}
+        elif not isinstance(top, dict):
+            raise ConfigError("backend_max_seqs", f"must be an object, got {type(top).__name__}")
+    pools = data.get("model_pools")
+    if isinstance(pools, dict):
+        fixed: dict[str, Any] = {}
+        for name, pool in pools.items():
+            if isinstance(pool, dict):
+                pool = _without(pool, _UPSTREAM_IGNORED_POOL, f"model_pools.{name}.", warnings)
+                if isinstance(pool.get("members"), list):
+                    members = []
+                    for i, m in enumerate(pool["members"]):
+                        if isinstance(m, dict):
+                            m = _without(m, _UPSTREAM_IGNORED_MEMBER, f"model_pools.{name}.members[{i}].", warnings)
+                            if m.get("max_context") == 0 and not isinstance(m.get("max_context"), bool):
+                                m = {k: v for k, v in m.items() if k != "max_context"}  # 0: the engine's value
+                        members.append(m)
+                    pool = {**pool, "members": members}
+            fixed[name] = pool
+        data["model_pools"] = fixed
+    return data
+
+
+def parse(data: Any, warnings: list[str] | None = None) -> GatewayFileConfig:
+    """Validate the parsed file; every problem is a ConfigError naming the key. Keys of the Go gateway's file
+    that mean nothing here are dropped and described in ``warnings`` (one line each)."""
     if not isinstance(data, dict):
         raise ConfigError("config", f"must be an object, got {type(data).__name__}")
+    data = _upstream(data, warnings if warnings is not None else [])
     pools = {name: _pool(name, raw) for name, raw in _entries(data, "model_pools").items()}
     names: dict[str, str] = {}
     for pool in pools.values():
@@ -365,7 +466,10 @@ def load(path: Path) -> GatewayFileConfig:
                           ) from None
     except (ValueError, RecursionError) as exc:  # an integer of over 4,300 digits; nesting past the stack
         raise ConfigError("config", f"{path} is not usable JSON: {exc}") from None
-    config = parse(data)
+    warnings: list[str] = []
+    config = parse(data, warnings)
+    for line in warnings:
+        log.warning("%s", line)
     for pool in config.pools.values():
         for i, m in enumerate(pool.members):
             if m.api_key is not None and m.api_key_env is None:
@@ -383,6 +487,8 @@ def to_dict(config: GatewayFileConfig) -> dict[str, Any]:
             entry: dict[str, Any] = {"model_id": m.model_id, "backend": m.backend, "capacity_weight": m.capacity_weight}
             if m.max_context is not None:
                 entry["max_context"] = m.max_context
+            if m.max_seqs is not None:
+                entry["max_seqs"] = m.max_seqs
             if m.member_id != default_member_id(m.backend, m.model_id):
                 entry["id"] = m.member_id
             if m.api_key_env is not None:
@@ -399,7 +505,10 @@ def to_dict(config: GatewayFileConfig) -> dict[str, Any]:
         "electricity_rate_usd_per_kwh": config.electricity_rate_usd_per_kwh,
         "price_book": {model: msgspec.structs.asdict(pr) for model, pr in config.price_book.items()},
         "metrics": msgspec.structs.asdict(config.metrics),
-        "gateway": msgspec.structs.asdict(config.limits),
+        # the Go gateway's keys only where set, so a file of ours keeps its shape
+        "gateway": {k: v for k, v in msgspec.structs.asdict(config.limits).items()
+                    if k not in ("port", "trust_local_networks", "models_require_auth") or v},
+        **({"local_networks": list(config.local_networks)} if config.local_networks else {}),
     }
 
 

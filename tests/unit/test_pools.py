@@ -45,7 +45,7 @@ def test_the_interop_pool_shape_parses_with_defaults_and_aliases() -> None:
     (lambda c: c["model_pools"]["qwen3.8-27b"].update(overflow_threshold=1.5),
      "model_pools.qwen3.8-27b.overflow_threshold"),
     (lambda c: c["model_pools"]["qwen3.8-27b"].update(sticky_bias=-0.1), "model_pools.qwen3.8-27b.sticky_bias"),
-    (lambda c: c["model_pools"]["qwen3.8-27b"]["members"][1].update(capacity_weight=0),
+    (lambda c: c["model_pools"]["qwen3.8-27b"]["members"][1].update(capacity_weight=-1),
      "model_pools.qwen3.8-27b.members[1].capacity_weight"),
     (lambda c: c["metrics"].update(ninfer_lane_weight=2), "metrics.ninfer_lane_weight"),
     (lambda c: c.update(extra=True), "extra"),
@@ -123,7 +123,7 @@ def test_hostile_values_are_config_errors_naming_the_key(mutate, key: str) -> No
 def test_an_unknown_key_lists_the_allowed_ones_and_a_bad_value_is_shown() -> None:
     cfg = json.loads(json.dumps(GOOD))
     cfg["metrics"]["poll_intervall"] = 2.0
-    with pytest.raises(ConfigError, match=r"metrics.poll_intervall: unknown key \(allowed: ninfer_lane_weight, "):
+    with pytest.raises(ConfigError, match=r"metrics.poll_intervall: unknown key \(allowed: backend_max_seqs, default_max_seqs, ninfer_lane_weight, "):
         parse(cfg)
     cfg = json.loads(json.dumps(GOOD))
     cfg["model_pools"]["qwen3.8-27b"]["overflow_threshold"] = 1.5
