@@ -47,6 +47,7 @@ uses it from here.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -447,6 +448,13 @@ def parse(data: Any, warnings: list[str] | None = None) -> GatewayFileConfig:
             if alias in names and names[alias] != pool.name:
                 raise ConfigError(f"model_pools.{pool.name}.aliases", f"{alias!r} already names pool {names[alias]!r}")
             names[alias] = pool.name
+    networks = data.get("local_networks")
+    for i, net in enumerate(networks if isinstance(networks, list | tuple) else ()):
+        try:
+            ipaddress.ip_network(net.strip() if isinstance(net, str) else net, strict=False)
+        except (ValueError, TypeError):
+            raise ConfigError(f"local_networks[{i}]", f"{net!r} is not a network (use CIDR, e.g. 192.168.1.0/24)"
+                              ) from None
     prices = {model: _convert(raw, Prices, f"price_book.{model}")
               for model, raw in _entries(data, "price_book").items()}
     rest = {k: v for k, v in data.items() if k not in ("model_pools", "price_book")}

@@ -31,8 +31,9 @@ DEFAULT_PORT = 8080
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=os.environ.get("LLMGW_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(os.environ.get("LLMGW_PORT", DEFAULT_PORT)),
-                        help="listen port (0 picks a free one)")
+    parser.add_argument("--port", type=int, default=int(os.environ["LLMGW_PORT"]) if os.environ.get("LLMGW_PORT")
+                        else None, help=f"listen port (0 picks a free one; default: $LLMGW_PORT, else the pools "
+                                        f"file's gateway.port, else {DEFAULT_PORT})")
     parser.add_argument("--gateway-id", default=os.environ.get("LLMGW_GATEWAY_ID"))
     parser.add_argument("--nats", help="NATS URL (default: $NATS_URL, else an embedded server)")
     parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
@@ -47,24 +48,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "loopback")
 
 
-def build_config(args: argparse.Namespace) -> GatewayConfig:
-    if not 0 <= args.port <= 65535:
+def build_config(args: argparse.Namespace, file_config: pool_config.GatewayFileConfig | None = None) -> GatewayConfig:
+    """The gateway's settings from its flags; the port, when no flag or $LLMGW_PORT names one, is the pools
+    file's ``gateway.port`` (a Go gateway's file names its port there), else 8080."""
+    if args.port is not None and not 0 <= args.port <= 65535:
         raise ConfigError("port", f"must be 0..65535, got {args.port}")
     if args.stale_after is not None and args.stale_after <= 0:
         raise ConfigError("stale-after", "must be > 0")
     trusted = [*args.trust_network, *(s for s in os.environ.get("LLMGW_TRUST_NETWORKS", "").split(",") if s.strip())]
     parse_networks(trusted)  # a bad CIDR is a ConfigError naming the flag
     return GatewayConfig(
-        gateway_id=args.gateway_id or default_worker_id("gw"), host=args.host, port=args.port,
+        gateway_id=args.gateway_id or default_worker_id("gw"), host=args.host,
+        port=args.port if args.port is not None else (
+            file_config.limits.port if file_config is not None and file_config.limits.port is not None
+            else DEFAULT_PORT),
         stale_after_s=args.stale_after, config_path=Path(args.config) if args.config else None,
         data_dir=data_dir(args.data_dir), trusted_networks=tuple(trusted),
     )
 
 
 async def run(args: argparse.Namespace) -> None:
-    config = build_config(args)
+    file_config = pool_config.load(Path(args.config)) if args.config else None
+    config = build_config(args, file_config)
     data = data_dir(args.data_dir)
-    file_config = pool_config.load(config.config_path) if config.config_path else None
     async with bus_session(nats_url_from_env(args.nats), f"gateway:{config.gateway_id}", data) as nc:
         service = GatewayService(nc, config, file_config)
         async with service.running(), service.serving() as url:

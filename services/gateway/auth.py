@@ -81,7 +81,10 @@ class LoginThrottle:
         self._failures.pop((ip, user), None)
 
 
-def parse_networks(specs: Iterable[str]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(specs: Iterable[str]) -> tuple[Network, ...]:
     networks = []
     for spec in specs:
         try:
@@ -99,6 +102,9 @@ class Auth:
         self.store = store
         self.gateway_id = gateway_id
         self.trusted = trusted
+        # the pools file's local_networks while gateway.trust_local_networks is on (the Go gateway's LAN trust);
+        # as there, a loopback peer is never trusted by them (a tunnel or proxy on the host arrives as loopback)
+        self.file_trusted: tuple[Network, ...] = ()
         self.max_concurrent_per_key = max_concurrent_per_key
         self.throttle = LoginThrottle()
         self.book = LimitBook()
@@ -109,13 +115,15 @@ class Auth:
     # ---- inference --------------------------------------------------------------------------------
 
     def is_trusted(self, request: web.Request) -> bool:
-        if not self.trusted or request.remote is None:
+        if not (self.trusted or self.file_trusted) or request.remote is None:
             return False
         try:
             address = ipaddress.ip_address(request.remote)
         except ValueError:
             return False
-        return any(address in net for net in self.trusted)
+        if any(address in net for net in self.trusted):
+            return True
+        return not address.is_loopback and any(address in net for net in self.file_trusted)
 
     def bearer_key(self, request: web.Request, now_s: float) -> ApiKey | None:
         """The request's valid API key; None when it sent none. A bad one is a 401 here."""

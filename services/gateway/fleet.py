@@ -17,11 +17,12 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from proto import ProtoDecodeError, SlotHeartbeat, decode, subjects
+from services.gateway.breaker import BASE_COOLDOWN_S, Breaker, FailureKind
 
 log = logging.getLogger(__name__)
 
 BUS_BACKEND = "nats"
-DOWN_AFTER_FAILURE_S = 5.0  # a member that failed a request is skipped this long (then tried again)
+DOWN_AFTER_FAILURE_S = BASE_COOLDOWN_S  # a member that failed a request is skipped at least this long
 HISTORY_POINTS = 60
 
 
@@ -33,8 +34,7 @@ class MemberRecord:
     routed_total: int = 0
     in_flight: int = 0
     pending_prefill_chars: int = 0
-    down_until_s: float = 0.0
-    down_since_s: float = 0.0
+    breaker: Breaker = field(default_factory=Breaker)  # fed by request outcomes (breaker.py)
     load_history: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=HISTORY_POINTS))
 
 
@@ -54,12 +54,13 @@ class Fleet:
         else:  # first sight, or the engine restarted: its counters began again, and so do our bookings
             rec.previous = None
             rec.routed_total = 0
-            rec.down_until_s = 0.0  # a failure seen before belonged to the previous process
-        if (rec.down_until_s > now_s and hb.backend in ("", BUS_BACKEND)
-                and now_s - rec.down_since_s >= (hb.heartbeat_interval_s or DOWN_AFTER_FAILURE_S)):
+            if current is not None:
+                rec.breaker.reset()  # a failure seen before belonged to the previous process
+        if (rec.breaker.consecutive_failures and hb.backend in ("", BUS_BACKEND)
+                and now_s - rec.breaker.opened_at_s >= (hb.heartbeat_interval_s or DOWN_AFTER_FAILURE_S)):
             # A bus worker heartbeats on the connection it serves on: one heard a full interval after the
             # failure is subscribed again (e.g. it rejoined after a NATS restart), so it need not sit out.
-            rec.down_until_s = 0.0
+            rec.breaker.reset()
         rec.heartbeat = hb
         rec.received_s = now_s
         return True
@@ -104,13 +105,25 @@ class Fleet:
         if rec.in_flight > 0:
             rec.in_flight -= 1
 
-    def mark_down(self, member_id: str, now_s: float) -> None:
-        rec = self.record(member_id)
-        rec.down_until_s = now_s + DOWN_AFTER_FAILURE_S
-        rec.down_since_s = now_s
+    def attempt(self, member_id: str, now_s: float) -> None:
+        """A request goes to the member (a half-open breaker's probe)."""
+        self.record(member_id).breaker.on_attempt(now_s)
+
+    def failure(self, member_id: str, now_s: float, kind: FailureKind) -> None:
+        """The member failed a request (connect error, 5xx, timeout, a stream broken after the first byte)."""
+        self.record(member_id).breaker.on_failure(now_s, kind)
+
+    def success(self, member_id: str) -> None:
+        self.record(member_id).breaker.on_success()
+
+    def inconclusive(self, member_id: str) -> None:
+        """An attempt that says nothing about the member's health (the client left, our bus failed): a
+        half-open breaker's probe is over without a verdict, so the next request may probe."""
+        self.record(member_id).breaker.probe_since_s = None
 
     def is_down(self, member_id: str, now_s: float) -> bool:
-        return self.record(member_id).down_until_s > now_s
+        """Excluded by its breaker: open, or half-open with its probe out."""
+        return not self.record(member_id).breaker.routable(now_s)
 
 
 class HeartbeatIntake:

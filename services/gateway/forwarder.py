@@ -31,6 +31,7 @@ from services.common.http import HTTPError
 from services.common.prom import E2E_BUCKETS_S, Histogram
 from services.common.runtime import ThrottledLog
 from services.gateway import bus_backend, pools, routing, routing_adapter
+from services.gateway.breaker import FailureKind
 from services.gateway.errors import CREDENTIALS_REJECTED, MemberFailure
 from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend
@@ -124,6 +125,7 @@ class Forwarder:
             outcome.routing_reason = decision.reason if attempt == 0 else f"failover:{decision.reason}"
             pending = max(0, prompt_chars - decision.affinity_chars(member_id))
             self.fleet.book(member_id)
+            self.fleet.attempt(member_id, time.time())
             self.fleet.add_pending_prefill(member_id, pending)
             first_byte = _Once(functools.partial(self.fleet.add_pending_prefill, member_id, -pending))
             try:
@@ -137,11 +139,14 @@ class Forwarder:
                     outcome.meter = UsageMeter(prompt_tokens_estimate=outcome.meter.prompt_tokens_estimate)
                 error, bus_down = exc.error, exc.is_bus_down
                 if error is not None and error.status < 500:
+                    self.fleet.inconclusive(member_id)  # it answered: alive, whatever its breaker thought
                     if error.status in (400, 413):
                         raise error from None  # about the request itself: another member would say the same
                     last_error = error  # e.g. 429 queue full: try the next member, report this if none
-                elif not bus_down:
-                    self.fleet.mark_down(member_id, time.time())
+                elif bus_down:
+                    self.fleet.inconclusive(member_id)  # our bus, not the member
+                else:
+                    self.fleet.failure(member_id, time.time(), _failure_kind(error))
                     if error is not None and error.code == CREDENTIALS_REJECTED:
                         credentials_error = credentials_error or error
                 self._quiet_log.warning(f"unavailable:{member_id}:{bus_down}",
@@ -152,9 +157,16 @@ class Forwarder:
                 first_byte()
                 self.fleet.release(member_id)
             if outcome.status == "ok":
+                self.fleet.success(member_id)
                 self.router.record_success(decision, member_id, self.fleet, time.time())
                 if decision.reason == "affinity":
                     self.metrics.affinity_hits += 1
+            elif outcome.status == "error" and outcome.http_status >= 500:
+                # it broke after the first byte (a lost stream, an engine error mid-answer): too late to fail
+                # over this request, but the breaker keeps the next ones away (issue #24: 6/6 went back to it)
+                self.fleet.failure(member_id, time.time(), "after_first_byte")
+            else:
+                self.fleet.inconclusive(member_id)  # the client left, or a 4xx in the stream: says nothing
             return response
         if last_error is not None:
             raise last_error
@@ -304,6 +316,14 @@ class Forwarder:
         """X-Session-Id, else the API key id (a weaker hint); the flag says which."""
         header = request.headers.get("X-Session-Id")
         return (header, True) if header else (api_key_id, False)
+
+
+def _failure_kind(error: HTTPError | None) -> FailureKind:
+    if error is None:
+        return "connect"
+    if error.code == CREDENTIALS_REJECTED:
+        return "credentials"
+    return "timeout" if error.status == 504 or "timeout" in (error.code or "") else "status"
 
 
 class _Once:

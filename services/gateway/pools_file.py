@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from proto import pools as pool_config
 from proto import subjects
 from services.common.runtime import ConfigError, atomic_write_text
-from services.gateway.auth import Auth
+from services.gateway.auth import Auth, Network, parse_networks
 from services.gateway.http_backend import HttpBackend
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,11 @@ def first_byte_timeout_s(override_s: float | None, file_config: pool_config.Gate
     return file_config.limits.first_byte_timeout_s
 
 
+def file_trusted_networks(config: pool_config.GatewayFileConfig) -> tuple[Network, ...]:
+    """The Go gateway's LAN trust: the file's ``local_networks`` while ``gateway.trust_local_networks`` is on."""
+    return parse_networks(config.local_networks) if config.limits.trust_local_networks else ()
+
+
 class PoolsFile:
     """The gateway's pools file (``config_path``) and what follows it; ``first_chunk_timeout_s`` and
     ``stale_after_s`` are the command line's overrides (None: the file's)."""
@@ -59,6 +64,7 @@ class PoolsFile:
         self.stale_after_s_override = stale_after_s
         self.config_poll_s = config_poll_s
         self._config_mtime: float | None = None
+        self.auth.file_trusted = file_trusted_networks(file_config)
 
     @property
     def first_byte_timeout_s(self) -> float:
@@ -75,6 +81,7 @@ class PoolsFile:
         """The one place a new pools file takes effect (reload, Config page, another gateway's save)."""
         self.file_config = parsed
         self.auth.max_concurrent_per_key = parsed.limits.max_concurrent_per_key
+        self.auth.file_trusted = file_trusted_networks(parsed)
         self.http.first_byte_timeout_s = self.first_byte_timeout_s
         self.http.request_timeout_s = parsed.limits.request_timeout_s
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proto import SlotHeartbeat
+from services.common.heartbeat_load import VLLM_RUNNING_WEIGHT
 from services.gateway.affinity import AffinityHit, AffinityTable, PinTable, PrefixKey, prefix_hashes
 from services.gateway.load_score import RoutingWeights, load_score, stale_limit_s
 
@@ -34,6 +35,9 @@ __all__ = [
 # Prompt characters per token: a rough size estimate where only text is at hand (the max_context filter,
 # an engine's cache size in characters); the engine counts exactly.
 CHARS_PER_TOKEN = 4
+
+# capacity_bias 0.1 (the default) credits a member one open request's cost per route it is behind its weight
+CAPACITY_BIAS_SCALE = 10.0
 
 _NOT_ROUTABLE = frozenset({"down", "stopped", "draining"})
 
@@ -49,13 +53,15 @@ class PoolPolicy:
     """Per-pool selection knobs; all costs are in load units (a load score lies in [0, 1]).
 
     ``sticky_bias``: cost subtracted for the session's pinned member (times ``api_key_sticky`` when the
-    session key is only the API key id). ``capacity_bias``: cost subtracted in proportion to
-    ``capacity_weight / max capacity_weight``. ``affinity_weight``: cost subtracted for a cached prefix
-    of ``affinity_full_chars`` characters or more (linearly less for shorter ones); affinity counts only
-    while the member's load is below ``affinity_busy_guard``. ``backlog_weight``: cost per waiting
-    request beyond lanes/2, per lane (the queue the load score no longer sees). ``prefill_weight``: cost
-    of prefill already queued by this gateway, at the affinity exchange rate. Defaults: docs/routing.md
-    §3 (tuned with bench/routing_sim.py, §7).
+    session key is only the API key id). ``capacity_bias``: how strongly a member's share of recent routes is
+    pulled towards its ``capacity_weight``'s share, among members with free lanes (§3, "Weighted split").
+    ``max_pool_share`` (0 = off): a member past this share of today's routes ranks after its siblings for
+    new conversations (no pin, no cached prefix anywhere), as the Go gateway does. ``affinity_weight``: cost
+    subtracted for a cached prefix of ``affinity_full_chars`` characters or more (linearly less for shorter
+    ones); affinity counts only while the member's load is below ``affinity_busy_guard``. ``backlog_weight``:
+    cost per waiting request beyond lanes/2, per lane (the queue the load score no longer sees).
+    ``prefill_weight``: cost of prefill already queued by this gateway, at the affinity exchange rate.
+    Defaults: docs/routing.md §3 (tuned with bench/routing_sim.py, §7).
     """
 
     overflow_threshold: float = 0.95
@@ -68,10 +74,11 @@ class PoolPolicy:
     backlog_weight: float = 0.5
     prefill_weight: float = 0.5
     api_key_sticky: float = 0.0
+    max_pool_share: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("overflow_threshold", "sticky_bias", "capacity_bias", "affinity_busy_guard", "affinity_weight",
-                     "backlog_weight", "prefill_weight", "api_key_sticky"):
+                     "backlog_weight", "prefill_weight", "api_key_sticky", "max_pool_share"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"PoolPolicy.{name} must lie in [0, 1], got {value!r}")
@@ -97,6 +104,9 @@ class MemberState:
     # prompt characters of this gateway's open requests on the member that have not streamed a first
     # token yet, less the cached prefix expected when each was routed (``Candidate.affinity_chars``)
     pending_prefill_chars: int = 0
+    # this gateway's routes to the member in this pool: decayed (about the last 100 routes), and today's (UTC)
+    recent_routes: float = 0.0
+    routes_today: int = 0
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs twice as much, per request
@@ -130,6 +140,10 @@ class Candidate:
     affinity_guarded: bool = False  # the member holds the prefix but is at or above the busy guard
     pin: float = 0.0
     capacity_term: float = 0.0
+    fair_lanes: float | None = None  # weighted split (§3): the member's share of the free members' lanes
+    share: float | None = None  # its share of the pool's recent routes, against ``share_target`` (its weight's)
+    share_target: float | None = None
+    over_pool_share: bool = False  # past max_pool_share of today's routes: ranks after the others for new talks
     backlog: float = 0.0
     pending_prefill: float = 0.0
     age_s: float | None = None
@@ -213,9 +227,9 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
     if policy.cache_affinity and affinity is not None and request.prefix_keys and eligible:
         hits = affinity.lookup_members(request.prefix_keys, now_s)
     pinned = pins.get(request.session_key, now_s) if pins is not None and request.session_key else None
-    max_capacity = max((m.capacity_weight for m in eligible), default=1.0)
 
     sheets: dict[str, Candidate] = {}
+    lanes_of: dict[str, tuple[float, float, float]] = {}  # free members: (lanes, active, lane coefficient)
     for m in members:
         mid = m.member_id
         age_s = now_s - m.received_s if m.heartbeat is not None and m.received_s is not None else None
@@ -247,16 +261,21 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
         pin = 0.0
         if mid == pinned and not is_busy:
             pin = policy.sticky_bias * (1.0 if request.is_session_header else policy.api_key_sticky)
-        capacity_term = policy.capacity_bias * m.capacity_weight / max_capacity
         backlog = policy.backlog_weight * _backlog(m, booked) if basis == "heartbeat" else 0.0
         prefill = policy.prefill_weight * policy.affinity_weight * m.pending_prefill_chars / policy.affinity_full_chars
-        cost = load + in_flight_term + backlog + prefill - saving - pin - capacity_term
+        cost = load + in_flight_term + backlog + prefill - saving - pin
+        free = None if is_busy else _free_lanes(m, basis, booked, weights)
+        if free is not None:
+            lanes_of[mid] = free
         sheets[mid] = Candidate(
             mid, basis, load, cost, booked=booked, in_flight=m.in_flight, in_flight_term=in_flight_term,
             affinity_depth=hit.depth if hit else 0, affinity_chars=hit.prefix_chars if hit else 0,
-            affinity_saving=saving, affinity_guarded=guarded, pin=pin, capacity_term=capacity_term,
+            affinity_saving=saving, affinity_guarded=guarded, pin=pin,
             backlog=backlog, pending_prefill=prefill, age_s=age_s, is_stale=stale[mid], is_busy=is_busy,
         )
+    _weighted_split(policy, [m for m in eligible if m.member_id in lanes_of], lanes_of, sheets)
+    if policy.max_pool_share > 0 and pinned is None and not hits:
+        _mark_over_pool_share(policy.max_pool_share, eligible, sheets)
 
     candidates = tuple(sheets[m.member_id] for m in members)
     pin_broken: Literal["busy", "down"] | None = None
@@ -273,10 +292,12 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
 
     capacity = {m.member_id: m.capacity_weight for m in eligible}
 
-    def order(c: Candidate) -> tuple[bool, float, float, float, str]:
-        # not busy before busy (overflow); then cost, our in-flight share, bigger capacity, lower id
+    def order(c: Candidate) -> tuple[bool, bool, float, float, float, str]:
+        # not busy before busy (overflow), within max_pool_share before past it; then cost, our in-flight share,
+        # bigger capacity, lower id
         assert c.cost is not None
-        return (c.is_busy, c.cost, c.in_flight / capacity[c.member_id], -capacity[c.member_id], c.member_id)
+        weight = max(capacity[c.member_id], 1e-9)
+        return (c.is_busy, c.over_pool_share, c.cost, c.in_flight / weight, -capacity[c.member_id], c.member_id)
 
     ranked = tuple(sorted((sheets[m.member_id] for m in eligible), key=order))
     winner = ranked[0]
@@ -295,6 +316,70 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
     else:
         reason = "least_loaded"
     return Pick(winner.member_id, reason, tuple(c.member_id for c in ranked), candidates, pinned, pin_broken)
+
+
+def _free_lanes(m: MemberState, basis: Basis, booked: int, weights: RoutingWeights
+                ) -> tuple[float, float, float] | None:
+    """(lanes, requests on them, the load formula's coefficient of running/lanes) for a member that has a free
+    lane; None when it has none. A member without a lane signal counts as free (nothing says otherwise), its
+    lanes guessed as for in_flight_term."""
+    hb = m.heartbeat
+    if basis == "heartbeat":
+        assert hb is not None and hb.lanes and hb.running is not None
+        active = hb.running + booked
+        if active >= hb.lanes or (hb.waiting or 0) > 0:
+            return None
+        coefficient = VLLM_RUNNING_WEIGHT if m.engine_kind == "vllm" else weights.ninfer_lane_weight
+        return float(hb.lanes), float(active), coefficient
+    lanes = _in_flight_lanes(m)
+    if basis == "in_flight_only" and m.in_flight >= lanes:
+        return None
+    return lanes, float(m.in_flight), weights.ninfer_lane_weight
+
+
+def _weighted_split(policy: PoolPolicy, free: list[MemberState], lanes_of: dict[str, tuple[float, float, float]],
+                    sheets: dict[str, Candidate]) -> None:
+    """§3 "Weighted split": among members with a free lane whose capacity weights differ, traffic follows the
+    weights. Each one's lane occupancy is measured against its weight's share of those members' lanes
+    (``fair_lanes``: 3:1 weights over 8 + 8 lanes are 12 and 4), so concurrent requests settle 3:1; and
+    ``capacity_term`` pulls its share of the pool's recent routes towards its weight's share, which splits
+    sequential requests to idle members 3:1 too. Equal weights: nothing changes (each member's own lanes)."""
+    if len(free) < 2 or len({m.capacity_weight for m in free}) < 2:
+        return
+    total_weight = sum(m.capacity_weight for m in free)
+    total_lanes = sum(lanes_of[m.member_id][0] for m in free)
+    recent = sum(m.recent_routes for m in free)
+    for m in free:
+        sheet = sheets[m.member_id]
+        assert sheet.cost is not None
+        lanes, active, coefficient = lanes_of[m.member_id]
+        target = m.capacity_weight / total_weight
+        fair = total_lanes * target
+        if fair > 0:
+            sheet.cost += coefficient * active / fair - coefficient * active / lanes
+            sheet.fair_lanes = fair
+        sheet.share_target = target
+        if recent > 0 and fair > 0:
+            sheet.share = m.recent_routes / recent
+            # routes behind its weight's share of the recent ones, each credited as one of its open requests (at
+            # the default capacity_bias 0.1); bounded so a fully cached prefix still wins over the split
+            behind = target * recent - m.recent_routes
+            credit = CAPACITY_BIAS_SCALE * policy.capacity_bias * behind * coefficient / fair
+            bound = policy.affinity_weight / 2
+            sheet.capacity_term = max(-bound, min(bound, credit))
+            sheet.cost -= sheet.capacity_term
+
+
+def _mark_over_pool_share(max_share: float, eligible: Sequence[MemberState], sheets: dict[str, Candidate]) -> None:
+    """The Go gateway's soft fairness cap: a member past ``max_share`` of the pool's routes today ranks after
+    its non-busy siblings for a new conversation (existing ones keep their member: pins and affinity win)."""
+    today = sum(m.routes_today for m in eligible)
+    if today == 0:
+        return
+    over = [m.member_id for m in eligible if m.routes_today / today > max_share]
+    if len(over) < len(eligible):
+        for mid in over:
+            sheets[mid].over_pool_share = True
 
 
 def cache_capacity_chars(hb: SlotHeartbeat | None) -> int | None:

@@ -8,9 +8,11 @@ entries keep their age across a restart.
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from services.common import openai_api
 from services.common.runtime import atomic_write_text
 from services.gateway import pools, routing
 from services.gateway.affinity import AffinityTable, PinTable, prefix_hashes
+from services.gateway.breaker import STATE_CODE
 from services.gateway.fleet import Fleet
 from services.gateway.load_score import stale_limit_s
 from services.gateway.pools import MemberRef, ResolvedPool
@@ -33,6 +36,7 @@ class Decision:
     pick: routing.Pick
     request: routing.RouteRequest
     policy: routing.PoolPolicy
+    pool: str = ""  # the pool's name (its route counts, routing §3)
 
     @property
     def reason(self) -> str:
@@ -57,23 +61,60 @@ class Decision:
 
 
 def policy_for(pool: PoolConfig) -> routing.PoolPolicy:
-    return _policy(pool.overflow_threshold, pool.cache_affinity, pool.sticky_bias, pool.capacity_bias)
+    return _policy(pool.overflow_threshold, pool.cache_affinity, pool.sticky_bias, pool.capacity_bias,
+                   pool.max_pool_share)
 
 
 # Asked for on every request: built once per distinct setting (the policy and weights are frozen, so one object
 # serves every request and every pool with those values, discovered pools included).
 @lru_cache(maxsize=256)
-def _policy(overflow_threshold: float, cache_affinity: bool, sticky_bias: float, capacity_bias: float
-            ) -> routing.PoolPolicy:
+def _policy(overflow_threshold: float, cache_affinity: bool, sticky_bias: float, capacity_bias: float,
+            max_pool_share: float) -> routing.PoolPolicy:
     return routing.PoolPolicy(overflow_threshold=overflow_threshold, cache_affinity=cache_affinity,
-                              sticky_bias=sticky_bias, capacity_bias=capacity_bias)
+                              sticky_bias=sticky_bias, capacity_bias=capacity_bias, max_pool_share=max_pool_share)
 
 
-@lru_cache(maxsize=64)
+# Each route multiplies a pool's recent-route counts by this (then adds 1 to the member's): they weigh about the
+# last 1 / (1 - ROUTE_DECAY) = 100 routes, what the weighted split (routing §3) compares with the weights.
+ROUTE_DECAY = 0.99
+
+
+@dataclass
+class PoolRoutes:
+    """One pool's route counts at this gateway: decayed (the weighted split) and today's (max_pool_share)."""
+
+    recent: dict[str, float] = field(default_factory=dict)
+    day: str = ""
+    today: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def record(self, member_id: str, now_s: float) -> None:
+        for mid in self.recent:
+            self.recent[mid] *= ROUTE_DECAY
+        self.recent[member_id] = self.recent.get(member_id, 0.0) + 1.0
+        day = time.strftime("%Y-%m-%d", time.gmtime(now_s))
+        if day != self.day:
+            self.day, self.today = day, collections.Counter()
+        self.today[member_id] += 1
+
+    def today_of(self, member_id: str, now_s: float) -> int:
+        return self.today[member_id] if self.day == time.strftime("%Y-%m-%d", time.gmtime(now_s)) else 0
+
+
+def effective_weight(ref: MemberRef, hb: SlotHeartbeat | None) -> float:
+    """The member's capacity weight; 0 in the pools file (the Go gateway's "unset") means its lanes."""
+    if ref.capacity_weight > 0:
+        return ref.capacity_weight
+    return float(hb.lanes) if hb is not None and hb.lanes else 1.0
+
+
 def weights_for(metrics: MetricsConfig, stale_after_s: float) -> routing.RoutingWeights:
-    return routing.RoutingWeights(ninfer_lane_weight=metrics.ninfer_lane_weight,
-                                  ninfer_queue_weight=metrics.ninfer_queue_weight,
-                                  ninfer_pressure_weight=metrics.ninfer_pressure_weight,
+    return _weights(metrics.ninfer_lane_weight, metrics.ninfer_queue_weight, metrics.ninfer_pressure_weight,
+                    stale_after_s)
+
+
+@lru_cache(maxsize=64)  # by value: MetricsConfig holds a dict (backend_max_seqs), so it is not hashable
+def _weights(lane: float, queue: float, pressure: float, stale_after_s: float) -> routing.RoutingWeights:
+    return routing.RoutingWeights(ninfer_lane_weight=lane, ninfer_queue_weight=queue, ninfer_pressure_weight=pressure,
                                   stale_after_s=stale_after_s)
 
 
@@ -96,6 +137,7 @@ class Router:
         self.affinity = AffinityTable(max_entries=max_entries)
         self.pins = PinTable(max_entries=max_entries)
         self.weights = routing.RoutingWeights()
+        self.routes: dict[str, PoolRoutes] = {}
         if self.dir is not None:
             self._load(now_s)
 
@@ -134,6 +176,7 @@ class Router:
 
     def _states(self, resolved: ResolvedPool, fleet: Fleet, now_s: float) -> list[routing.MemberState]:
         out = []
+        routes = self.routes.get(resolved.pool.name) or PoolRoutes()
         for ref in resolved.members:
             rec = fleet.record(ref.member_id)
             hb, previous = rec.heartbeat, rec.previous
@@ -144,10 +187,11 @@ class Router:
                 hb, previous = None, None
             out.append(routing.MemberState(
                 member_id=ref.member_id, engine_kind=hb.engine_kind if hb else "stock",
-                capacity_weight=ref.capacity_weight, max_context=ref.max_context, heartbeat=hb,
+                capacity_weight=effective_weight(ref, rec.heartbeat), max_context=ref.max_context, heartbeat=hb,
                 previous=previous, received_s=rec.received_s, routed_total=rec.routed_total,
                 admitted=fleet.admitted(ref.member_id), in_flight=rec.in_flight,
                 is_down=fleet.is_down(ref.member_id, now_s), pending_prefill_chars=rec.pending_prefill_chars,
+                recent_routes=routes.recent.get(ref.member_id, 0.0), routes_today=routes.today_of(ref.member_id, now_s),
             ))
         return out
 
@@ -162,9 +206,10 @@ class Router:
         self.weights = weights
         pick = routing.pick(policy, weights, self._states(resolved, fleet, now_s), request, self.affinity,
                             self.pins, now_s, rng)
-        return Decision(pick, request, policy)
+        return Decision(pick, request, policy, resolved.pool.name)
 
     def record_success(self, decision: Decision, member_id: str, fleet: Fleet, now_s: float) -> None:
+        self.routes.setdefault(decision.pool, PoolRoutes()).record(member_id, now_s)
         routing.record_route(decision.policy, decision.request, decision.pick, member_id, self.affinity,
                              self.pins, now_s, routing.cache_capacity_chars(fleet.record(member_id).heartbeat))
 
@@ -185,7 +230,9 @@ class Router:
             "stale": age is None or age > stale_limit_s(hb, stale_after_s), "in_flight": rec.in_flight,
             "energy_today_wh": hb.energy_today_wh if hb else None,
             "cache_hit_pct": (100.0 * (hb.prompt_tokens_hit_total or 0) / queried) if hb and queried else None,
-            "capacity_weight": ref.capacity_weight, "down": fleet.is_down(ref.member_id, now_s),
+            "capacity_weight": effective_weight(ref, hb), "down": fleet.is_down(ref.member_id, now_s),
+            "breaker": rec.breaker.describe(now_s),
+            "breaker_state": STATE_CODE[rec.breaker.state(now_s)],
         }
 
 

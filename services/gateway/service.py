@@ -263,11 +263,19 @@ class GatewayService:
         return {"id": name, "object": "model", "created": 0, "owned_by": "llmgw",
                 "max_model_len": max(known) if known else None}
 
+    def _models_auth(self, request: web.Request) -> None:
+        """GET /v1/models is public (clients probe it before they hold a key), unless the pools file's
+        ``gateway.models_require_auth`` says otherwise: then it takes what inference takes."""
+        if self.pools_file.file_config.limits.models_require_auth:
+            self.auth.admit(request, time.time())
+
     async def list_models(self, request: web.Request) -> web.Response:
+        self._models_auth(request)
         names = pools.model_names(self.pools_file.file_config, self.fleet)
         return web.json_response({"object": "list", "data": [self._model_card(n) for n in names]})
 
     async def get_model(self, request: web.Request) -> web.Response:
+        self._models_auth(request)
         model = request.match_info["model_id"]
         if model not in pools.model_names(self.pools_file.file_config, self.fleet):
             raise HTTPError(404, f"model '{model}' does not exist", code="model_not_found", param="model")
@@ -298,11 +306,17 @@ class GatewayService:
             m.counter("llmgw_failovers_total", "Members skipped after a failure.", n, {"member": member})
         m.counter("llmgw_affinity_hits_total", "Requests routed by cache affinity.", self.metrics.affinity_hits)
         rows = self.backends_view()
+        for row in rows:
+            m.counter("llmgw_member_failures_total", "Requests the member failed (connect, 5xx, timeout, broken "
+                      "stream), as its circuit breaker counted them.", row["breaker"]["failures_total"],
+                      {"pool": row["pool"], "member": row["member_id"]})
         # one family at a time: the exposition format wants each family's samples as one group
         for name, key, help_text in (
             ("llmgw_member_load_score", "load_score", "Load score the router uses (0..1)."),
             ("llmgw_member_heartbeat_age_seconds", "heartbeat_age_s", "Age of the member's newest heartbeat."),
             ("llmgw_member_in_flight", "in_flight", "This gateway's open requests on the member."),
+            ("llmgw_member_breaker_state", "breaker_state",
+             "The member's circuit breaker: 0 closed, 1 half-open (one probe at a time), 2 open (skipped)."),
         ):
             for row in rows:
                 m.gauge(name, help_text, row[key], {"pool": row["pool"], "member": row["member_id"]})

@@ -123,7 +123,8 @@ def test_hostile_values_are_config_errors_naming_the_key(mutate, key: str) -> No
 def test_an_unknown_key_lists_the_allowed_ones_and_a_bad_value_is_shown() -> None:
     cfg = json.loads(json.dumps(GOOD))
     cfg["metrics"]["poll_intervall"] = 2.0
-    with pytest.raises(ConfigError, match=r"metrics.poll_intervall: unknown key \(allowed: backend_max_seqs, default_max_seqs, ninfer_lane_weight, "):
+    with pytest.raises(ConfigError, match=r"metrics.poll_intervall: unknown key \(allowed: backend_max_seqs, "
+                                          r"default_max_seqs, ninfer_lane_weight, "):
         parse(cfg)
     cfg = json.loads(json.dumps(GOOD))
     cfg["model_pools"]["qwen3.8-27b"]["overflow_threshold"] = 1.5

@@ -220,16 +220,79 @@ def test_the_backlog_term_tells_busy_members_apart_beyond_the_saturated_queue_sc
     assert p.member_id == "b"
 
 
-def test_capacity_weight_biases_towards_bigger_members() -> None:
+def test_unequal_weights_measure_lane_occupancy_against_each_members_share_of_the_free_lanes() -> None:
     small = member(hb("a", running=2), capacity=4)
     big = member(hb("b", running=3), capacity=16)
     p = choose([small, big], policy=PoolPolicy(capacity_bias=0.1, backlog_weight=0.0, prefill_weight=0.0))
-    assert sheet(p, "a").cost == pytest.approx(0.75 * 2 / 8 - 0.1 * 4 / 16)
-    assert sheet(p, "b").cost == pytest.approx(0.75 * 3 / 8 - 0.1 * 16 / 16)
-    assert p.member_id == "a"  # 0.1625 < 0.18125: a tenth of a load unit does not outweigh one more lane
-    p = choose([small, big], policy=PoolPolicy(capacity_bias=0.5, backlog_weight=0.0, prefill_weight=0.0))
-    assert sheet(p, "b").cost == pytest.approx(0.75 * 3 / 8 - 0.5 * 16 / 16)
-    assert p.member_id == "b"  # 0.1875 - 0.125 > 0.28125 - 0.5
+    # 16 free-member lanes split 4:16 -> 3.2 and 12.8 fair lanes; no route history yet, so no capacity_term
+    assert (sheet(p, "a").fair_lanes, sheet(p, "b").fair_lanes) == pytest.approx((3.2, 12.8))
+    assert sheet(p, "a").cost == pytest.approx(0.75 * 2 / 3.2)
+    assert sheet(p, "b").cost == pytest.approx(0.75 * 3 / 12.8)
+    assert p.member_id == "b" and sheet(p, "b").capacity_term == 0.0
+    # equal weights: each member's own lanes, as before
+    p = choose([member(hb("a", running=2)), member(hb("b", running=3))], policy=PoolPolicy())
+    assert sheet(p, "a").fair_lanes is None and sheet(p, "a").cost == pytest.approx(0.75 * 2 / 8)
+
+
+def _route_counts(n: int, weights: dict[str, float], lanes: int, concurrency: int, duration: int,
+                  policy: PoolPolicy = PoolPolicy()) -> Counter[str]:
+    """n requests through pick(), each held for ``duration`` routing steps with at most ``concurrency`` open
+    (1 = sequential); heartbeats show the open requests as running; route history kept as the gateway does."""
+    from services.gateway.routing_adapter import PoolRoutes
+    routes, served = PoolRoutes(), Counter[str]()
+    open_: list[tuple[int, str]] = []  # (ends at step, member)
+    for step in range(n):
+        open_ = [(end, mid) for end, mid in open_ if end > step]
+        while len(open_) >= concurrency:
+            open_.pop(0)
+        running = Counter(mid for _, mid in open_)
+        members = [MemberState(member_id=w, engine_kind="ninfer", capacity_weight=cw,
+                               heartbeat=hb(w, lanes=lanes, running=running[w]), received_s=100.0,
+                               recent_routes=routes.recent.get(w, 0.0)) for w, cw in weights.items()]
+        chosen = pick(policy, W, members, RouteRequest(), None, None, NOW, None).member_id
+        assert chosen is not None
+        routes.record(chosen, NOW)
+        served[chosen] += 1
+        open_.append((step + duration, chosen))
+    return served
+
+
+@pytest.mark.parametrize(("concurrency", "duration"), [(1, 1), (2, 2), (4, 4), (8, 8), (12, 24)])
+def test_weights_3_to_1_split_400_requests_75_25_while_both_have_free_lanes(concurrency: int, duration: int) -> None:
+    served = _route_counts(400, {"a": 3.0, "b": 1.0}, lanes=16, concurrency=concurrency, duration=duration)
+    assert 0.70 <= served["a"] / 400 <= 0.80, served
+
+
+def test_weights_8_to_1_hold_and_a_full_member_sends_the_rest_to_the_one_with_free_lanes() -> None:
+    served = _route_counts(450, {"a": 8.0, "b": 1.0}, lanes=64, concurrency=8, duration=8)
+    assert 8 / 9 - 0.05 <= served["a"] / 450 <= 8 / 9 + 0.05, served
+    # 12 open on 8 + 8 lanes: the weight says 9:3, but a has only 8 lanes; b takes what a cannot
+    served = _route_counts(400, {"a": 3.0, "b": 1.0}, lanes=8, concurrency=12, duration=12)
+    assert 0.60 <= served["a"] / 400 <= 0.70, served
+
+
+def test_capacity_bias_zero_leaves_only_the_lane_share_so_idle_members_tie_to_the_bigger() -> None:
+    served = _route_counts(40, {"a": 3.0, "b": 1.0}, lanes=16, concurrency=1, duration=1,
+                           policy=PoolPolicy(capacity_bias=0.0))
+    assert served == {"a": 40}
+
+
+def test_max_pool_share_sends_new_conversations_to_a_sibling_and_keeps_pinned_ones() -> None:
+    members = [member(hb("a"), capacity=1), member(hb("b"), capacity=1)]
+    members[0].routes_today, members[1].routes_today = 70, 30
+    policy = PoolPolicy(capacity_bias=0.0, max_pool_share=0.6)
+    p = choose([member(hb("a", running=0)), member(hb("b", running=2))], policy=policy)
+    assert p.member_id == "a"  # no history: no cap
+    loaded = [member(hb("a", running=0)), member(hb("b", running=2))]
+    loaded[0].routes_today, loaded[1].routes_today = 70, 30
+    p = choose(loaded, policy=policy)
+    assert sheet(p, "a").over_pool_share and p.member_id == "b"  # a new talk goes to the sibling
+    pins = PinTable()
+    pins.pin("s1", "a", NOW)
+    p = choose(loaded, RouteRequest(session_key="s1"), policy, pins=pins)
+    assert p.member_id == "a" and not sheet(p, "a").over_pool_share  # an existing conversation keeps its GPU
+    p = choose(loaded, policy=PoolPolicy(capacity_bias=0.0))
+    assert p.member_id == "a"  # 0: off
 
 
 def test_ties_go_to_the_larger_capacity_then_to_the_lower_member_id() -> None:
