@@ -21,8 +21,14 @@ _ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     408: "timeout_error",
+    409: "invalid_request_error",
+    411: "invalid_request_error",
     413: "invalid_request_error",
+    414: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout_error",
@@ -47,7 +53,8 @@ class HTTPError(Exception):
         self.message = message
         self.code = code
         self.param = param
-        self.type = type or _ERROR_TYPES.get(status, "server_error")
+        # any other 4xx is the client's (an unknown one must not read as our fault); 5xx are ours
+        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.retry_after_s = retry_after_s
 
     @classmethod
@@ -69,10 +76,28 @@ def error_response(err: HTTPError) -> web.Response:
     )
 
 
+def _check_header_text(request: web.Request) -> None:
+    """Header bytes that are not UTF-8 reach handlers as lone surrogates (aiohttp decodes with
+    ``surrogateescape``), which fail the first time a handler encodes them (a key hash, a cookie signature):
+    refuse them here, once, as the client's error (401 for the credentials, 400 for any other header)."""
+    for name, value in request.headers.items():
+        if value.isascii():
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            if name.lower() == "authorization":
+                raise HTTPError(401, "the Authorization header is not valid UTF-8; send 'Authorization: Bearer "
+                                     "sk-…'", code="invalid_api_key") from None
+            raise HTTPError(400, f"the {name} header is not valid UTF-8", code="invalid_header",
+                            param=name) from None
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every failure leaves as an OpenAI error body: never a traceback, never an HTML page."""
     try:
+        _check_header_text(request)
         return await handler(request)
     except HTTPError as err:
         return error_response(err)

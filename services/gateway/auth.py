@@ -77,6 +77,16 @@ class LoginThrottle:
             self._failures.popitem(last=False)
         return delay
 
+    def begin(self, ip: str, user: str, now_s: float) -> float:
+        """Reserve one attempt *before* the (slow) password check: it counts as a wrong password until
+        :meth:`succeeded` says otherwise. Returns the wait (> 0: refused now). Checked-then-recorded let 40
+        parallel guesses all reach the hash, the right one among them included (issue #25); reserved first,
+        at most ``FREE_LOGIN_FAILURES`` can be in flight before the back-off applies to the rest."""
+        wait = self.wait_s(ip, user, now_s)
+        if wait <= 0:
+            self.failed(ip, user, now_s)
+        return wait
+
     def succeeded(self, ip: str, user: str) -> None:
         self._failures.pop((ip, user), None)
 

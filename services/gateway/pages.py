@@ -20,6 +20,7 @@ import msgspec
 from aiohttp import web
 from markupsafe import Markup
 from nats.aio.client import Client
+from yarl import URL
 
 from proto import CostsQuery, CostsReport, ErrorReply, ProtoDecodeError, decode_json, encode_json, subjects
 from services.common.http import HTTPError, read_form, read_json_object
@@ -68,10 +69,24 @@ def _wants_html(request: web.Request) -> bool:
 
 
 def _safe_next(value: object, fallback: str) -> str:
-    """Only same-site paths: never an open redirect to another host."""
-    if isinstance(value, str) and value.startswith("/") and not value.startswith("//") and "\\" not in value:
-        return value
-    return fallback
+    """Only same-site paths: never an open redirect to another host.
+
+    Judged on the URL as it will be sent, not only the raw text: yarl (which builds ``Location``) drops tabs
+    and newlines, so ``/\t/evil.example`` passed a raw-text check and left as ``//evil.example`` (issue #25).
+    Control characters and whitespace are refused outright, then the normalised URL must be a path on this
+    host (no scheme, no authority, not ``//``)."""
+    if not isinstance(value, str) or not value.startswith("/") or "\\" in value:
+        return fallback
+    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in value):
+        return fallback
+    try:
+        url = URL(value)
+    except ValueError:
+        return fallback
+    text = str(url)
+    if url.scheme or url.raw_authority or not text.startswith("/") or text.startswith("//") or "\\" in text:
+        return fallback
+    return text
 
 
 class Pages:
@@ -158,7 +173,7 @@ class Pages:
         next_path = _safe_next(form.get("next"), "")
         ip = request.remote or "-"
         now = time.time()
-        wait = self.auth.throttle.wait_s(ip, name, now)
+        wait = self.auth.throttle.begin(ip, name, now)  # counted as a failure until the password checks out
         if wait > 0:
             resp = self._signin(request, 429, f"Too many wrong passwords: try again in {wait:.0f} s.", name, next_path)
             resp.headers["Retry-After"] = str(int(wait) + 1)
@@ -168,7 +183,6 @@ class Pages:
         stored = found[1] if found else await self._dummy_hash()
         ok = await asyncio.to_thread(verify_password, password, stored) and found is not None
         if not ok:
-            self.auth.throttle.failed(ip, name, time.time())
             return self._signin(request, 401, "Wrong user name or password.", name, next_path)
         self.auth.throttle.succeeded(ip, name)
         assert found is not None

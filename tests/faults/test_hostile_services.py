@@ -10,6 +10,7 @@ authenticated cases among the hostile ones that the served path (200) is fuzzed 
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -179,3 +180,33 @@ def test_accountings_endpoints_never_fail_with_a_5xx(stack: Stack) -> None:
         fuzz()
     served = TALLY.num("accounting sql admin key", 200) + TALLY.num("accounting costs admin key", 200)
     assert served > 0
+
+
+def _raw_status(url: str, request: bytes) -> tuple[int, bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(request)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    reply = b"".join(chunks)
+    return int(reply.split(b" ", 2)[1]), reply
+
+
+def test_header_bytes_that_are_not_utf8_are_refused_on_every_service(stack: Stack) -> None:
+    """Issue #25: `Authorization: Bearer \\xff` and `Cookie: llmgw_session=a.\\xe9` gave a 500 with a
+    traceback, unauthenticated, on the gateway, accounting and engine."""
+    targets = {"gateway": (stack.tg.url, b"/v1/chat/completions"), "accounting": (stack.accounting_url, b"/sql"),
+               "engine": (stack.engine_url, b"/v1/chat/completions"), "telemetry": (stack.telemetry_url, b"/fleet")}
+    body = b'{"model":"m","messages":[{"role":"user","content":"a"}]}'
+    for name, (url, path) in targets.items():
+        for header, expected in ((b"Authorization: Bearer \xff", 401), (b"Cookie: llmgw_session=a.\xe9", 400),
+                                 (b"X-Session-Id: \xc3\x28", 400)):
+            status, reply = _raw_status(url, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                        b"application/json\r\n" + header + b"\r\nContent-Length: "
+                                        + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            assert (name, header, status) == (name, header, expected), reply[-300:]
+            assert b"Traceback" not in reply and b'"error"' in reply
+        status, reply = _raw_status(url, b"GET / HTTP/1.1\r\nHost: x\r\nCookie: llmgw_session=a.\xe9\r\n"
+                                         b"Connection: close\r\n\r\n")
+        assert status == 400, (name, reply[-300:])

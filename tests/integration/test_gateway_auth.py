@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import urllib.parse
 
 import aiohttp
 import msgspec
@@ -17,6 +18,7 @@ import pytest
 from proto import AuthCheck, SlotHeartbeat, SqlQuery, encode, encode_json, subjects
 from proto import pools as pool_config
 from services.common.http import serving
+from services.gateway.auth import FREE_LOGIN_FAILURES
 from services.gateway.identity import hash_password, key_digest
 from services.gateway.service import GatewayConfig, GatewayService
 from tests.integration.conftest import Stack, wait_for
@@ -126,6 +128,44 @@ async def test_wrong_passwords_back_off_and_login_rotates_the_session(stack: Sta
         async with http.post(stack.base_url + "/logout", data={"csrf": csrf}, allow_redirects=False) as r:
             assert r.status == 303
         assert stack.gateway.identity.session(cookie.value, 2e9) is None  # revoked on the server
+
+
+async def test_forty_parallel_guesses_reach_the_password_check_at_most_the_free_number_of_times(
+        stack: Stack) -> None:
+    """Issue #25: the back-off was checked before the slow hash and recorded after it, so 40 parallel guesses
+    were all checked and the right one among them got in. Reserved first, only FREE_LOGIN_FAILURES are."""
+    _add_user(stack, "pam")
+    async with _jar() as http:
+        async with http.get(stack.base_url + "/") as resp:
+            csrf = _csrf(await resp.text())
+
+        async def guess(password: str) -> int:
+            async with http.post(stack.base_url + "/login", data={"csrf": csrf, "name": "pam", "password": password},
+                                 allow_redirects=False) as r:
+                return r.status
+        statuses = await asyncio.gather(*(guess(f"wrong-{i}") for i in range(39)), guess(PASSWORD))
+    checked = [s for s in statuses if s in (401, 303)]
+    assert len(checked) <= FREE_LOGIN_FAILURES, statuses
+    assert statuses.count(429) >= 40 - FREE_LOGIN_FAILURES
+    stack.gateway.auth.throttle.succeeded("127.0.0.1", "pam")
+
+
+@pytest.mark.parametrize("target", ["/%09/evil.example", "/%0a/evil.example", "//evil.example", "/%5Cevil.example",
+                                    "https://evil.example/", "/%0d%0a/evil.example", "/%20/evil.example"])
+async def test_the_sign_in_redirect_never_leaves_the_site(stack: Stack, target: str) -> None:
+    """Issue #25: ``/?next=/%09/evil.example`` → ``Location: //evil.example`` (yarl dropped the tab after the
+    raw text was checked)."""
+    name = f"nx{abs(hash(target)) % 10_000}"
+    _add_user(stack, name)
+    async with _jar() as http:
+        async with http.get(stack.base_url + "/?next=" + target) as resp:
+            html = await resp.text()
+        async with http.post(stack.base_url + "/login", data={"csrf": _csrf(html), "name": name, "password": PASSWORD,
+                                                             "next": urllib.parse.unquote(target)},
+                             allow_redirects=False) as r:
+            assert r.status == 303
+            location = r.headers["Location"]
+    assert location.startswith("/") and not location.startswith("//") and "evil" not in location, location
 
 
 async def test_keys_revocation_and_quota(stack: Stack) -> None:
