@@ -154,6 +154,8 @@ class UserRow(Document, frozen=True):
     pw_hash: str
     created_s: float
     updated_s: float
+    disabled_s: float | None = None  # set: no sign-in, keys refused (absent from gateways before user management)
+    deleted_s: float | None = None  # set: a deleted user's tombstone
 
 
 class ApiKeyRow(Document, frozen=True):

@@ -153,14 +153,46 @@ def main(argv: list[str] | None = None) -> None:
                                 metavar="N|none" if whole else "X|none",
                                 help=f"{UNITS[kind]} per UTC {'calendar month' if per == 'month' else per}, or 'none'")
     show = sub.add_parser("limits", help="list every user's and every usable key's limits (tab-separated)")
-    for p in (create, reset, listing, keys, quota, set_limits, show):
+    revoke = sub.add_parser("revoke-key", help="revoke any user's key (active or rotated) at once")
+    revoke.add_argument("key_id", help="the key's id (key_…, see list-keys)")
+    role = sub.add_parser("set-role", help="make a user admin or user (their sessions end)")
+    role.add_argument("name")
+    role.add_argument("role", choices=ROLES)
+    disable = sub.add_parser("disable-user", help="no sign-in and every key refused, until enable-user")
+    enable = sub.add_parser("enable-user", help="undo disable-user")
+    delete = sub.add_parser("delete-user", help="delete a user: every key revoked, the name free again")
+    for p in (disable, enable, delete):
+        p.add_argument("name")
+    managed = (revoke, role, disable, enable, delete)
+    for p in (create, reset, listing, keys, quota, set_limits, show, *managed):
         p.add_argument("--data-dir", help="the gateway's data directory (default: $LLMGW_DATA_DIR or ./data)")
     args = parser.parse_args(argv)
     store = IdentityStore(data_dir(args.data_dir) / "identity")
     try:
         if args.command == "list-users":
             for user in store.users():
-                print(f"{user.name}\t{user.role}")
+                print(f"{user.name}\t{user.role}\t{'disabled' if user.disabled else 'active'}")
+            return
+        if args.command == "revoke-key":
+            key = store.key_by_id(args.key_id)
+            if key is None:
+                raise IdentityError("key_id", f"no key with id {args.key_id!r} (see llmgw admin list-keys)")
+            store.revoke_key(args.key_id, time.time())
+            print(f"key {args.key_id} ({key.name}) revoked; {APPLIES}")
+            return
+        if args.command in ("set-role", "disable-user", "enable-user", "delete-user"):
+            managed_user = store.user_by_name(args.name)
+            if managed_user is None:
+                raise IdentityError("name", f"no user named {args.name!r} (see llmgw admin list-users)")
+            if args.command == "set-role":
+                store.set_role(managed_user.user_id, args.role)
+                print(f"{args.name!r} is now {args.role}; their sessions were ended")
+            elif args.command == "delete-user":
+                store.delete_user(managed_user.user_id, time.time())
+                print(f"{args.name!r} deleted; every key of theirs is revoked")
+            else:
+                store.set_disabled(managed_user.user_id, args.command == "disable-user", time.time())
+                print(f"{args.name!r} {'disabled' if args.command == 'disable-user' else 'enabled'}; {APPLIES}")
             return
         if args.command == "list-keys":
             names = {u.user_id: u.name for u in store.users()}

@@ -54,7 +54,9 @@ CREATE TABLE IF NOT EXISTS users (
     role       TEXT NOT NULL CHECK (role IN ('admin', 'user')),
     pw_hash    TEXT NOT NULL,
     created_s  REAL NOT NULL,
-    updated_s  REAL NOT NULL DEFAULT 0
+    updated_s  REAL NOT NULL DEFAULT 0,
+    disabled_s REAL,  -- set: cannot sign in, keys refused (an admin can enable it again)
+    deleted_s  REAL   -- set: gone (keys revoked, name released as "deleted-<user_id>"); kept for replication
 );
 CREATE TABLE IF NOT EXISTS sessions (
     token_sha256 TEXT PRIMARY KEY,
@@ -94,7 +96,7 @@ CREATE TABLE IF NOT EXISTS limit_usage (
 
 # The replicated tables: primary key first, then every column a replica row carries.
 REPLICATED: dict[str, tuple[str, ...]] = {
-    "users": ("user_id", "name", "role", "pw_hash", "created_s", "updated_s"),
+    "users": ("user_id", "name", "role", "pw_hash", "created_s", "updated_s", "disabled_s", "deleted_s"),
     "api_keys": ("key_id", "user_id", "name", "key_sha256", "hint", "daily_quota", "created_s", "expires_s",
                  "revoked_s", "replaced_by", "updated_s"),
     "limits": ("principal", "tokens_per_day", "requests_per_minute", "tokens_per_minute", "usd_per_month",
@@ -116,6 +118,11 @@ class User:
     user_id: str
     name: str
     role: Role
+    disabled: bool = False  # disabled or deleted: no sign-in, no key works
+
+    @classmethod
+    def of_row(cls, user_id: str, name: str, role: Role, disabled_s: float | None, deleted_s: float | None) -> User:
+        return cls(user_id, name, role, disabled_s is not None or deleted_s is not None)
 
 
 @dataclass(frozen=True)
@@ -277,6 +284,10 @@ class IdentityStore:
         for table in REPLICATED:  # identity.db files from before replication lack updated_s
             if "updated_s" not in {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}:
                 self.db.execute(f"ALTER TABLE {table} ADD COLUMN updated_s REAL NOT NULL DEFAULT 0")
+        have = {row[1] for row in self.db.execute("PRAGMA table_info(users)")}
+        for column in ("disabled_s", "deleted_s"):  # files from before user management
+            if column not in have:
+                self.db.execute(f"ALTER TABLE users ADD COLUMN {column} REAL")
         self.on_change: Callable[[str, dict[str, object]], None] | None = None  # (table, row) after a change
         self._updated_s = 0.0
         self._secret = _load_secret(directory / "secret")
@@ -325,19 +336,82 @@ class IdentityStore:
         self._changed("users", user_id)
 
     def password_hash(self, name: str) -> tuple[User, str] | None:
-        row = self.db.execute("SELECT user_id, name, role, pw_hash FROM users WHERE name = ?", (name,)).fetchone()
-        return (User(row[0], row[1], row[2]), row[3]) if row else None
+        row = self.db.execute("SELECT user_id, name, role, disabled_s, deleted_s, pw_hash FROM users "
+                              "WHERE name = ? AND deleted_s IS NULL", (name,)).fetchone()
+        return (User.of_row(*row[:5]), row[5]) if row else None
 
     def user(self, user_id: str) -> User | None:
         if user_id not in self._users:
-            row = self.db.execute("SELECT user_id, name, role FROM users WHERE user_id = ?", (user_id,)).fetchone()
+            row = self.db.execute("SELECT user_id, name, role, disabled_s, deleted_s FROM users WHERE user_id = ?",
+                                  (user_id,)).fetchone()
             if row is None:
                 return None
-            self._users[user_id] = User(row[0], row[1], row[2])
+            self._users[user_id] = User.of_row(*row)
         return self._users[user_id]
 
     def users(self) -> list[User]:
-        return [User(*row) for row in self.db.execute("SELECT user_id, name, role FROM users ORDER BY name")]
+        """Every user not deleted (disabled ones included), by name."""
+        return [User.of_row(*row) for row in self.db.execute(
+            "SELECT user_id, name, role, disabled_s, deleted_s FROM users WHERE deleted_s IS NULL ORDER BY name")]
+
+    def user_by_name(self, name: str) -> User | None:
+        found = self.password_hash(name)
+        return found[0] if found else None
+
+    def _other_active_admins(self, user_id: str) -> int:
+        return sum(1 for u in self.users() if u.role == "admin" and not u.disabled and u.user_id != user_id)
+
+    def _guard_last_admin(self, user: User, what: str) -> None:
+        if user.role == "admin" and not user.disabled and self._other_active_admins(user.user_id) == 0:
+            raise IdentityError("user", f"cannot {what} {user.name!r}: it is the last active admin "
+                                        "(make another user admin first)")
+
+    def set_role(self, user_id: str, role: Role) -> User:
+        """Change a user's role; their sessions end (a page signed in with the old role must not linger)."""
+        user = self._existing(user_id)
+        if role not in ROLES:
+            raise IdentityError("role", f"must be one of {', '.join(ROLES)}")
+        if role != "admin":
+            self._guard_last_admin(user, "demote")
+        self.db.execute("UPDATE users SET role = ?, updated_s = ? WHERE user_id = ?", (role, self._stamp(), user_id))
+        return self._user_changed(user_id)
+
+    def set_disabled(self, user_id: str, disabled: bool, now_s: float) -> User:
+        """Disable (no sign-in, every key refused, sessions ended) or enable a user again."""
+        user = self._existing(user_id)
+        if disabled:
+            self._guard_last_admin(user, "disable")
+        self.db.execute("UPDATE users SET disabled_s = ?, updated_s = ? WHERE user_id = ?",
+                        (now_s if disabled else None, self._stamp(), user_id))
+        return self._user_changed(user_id)
+
+    def delete_user(self, user_id: str, now_s: float) -> None:
+        """Delete a user: every key revoked, sessions ended, the name free for a new user. The row stays as a
+        tombstone (``deleted_s``) so other gateways learn of it and usage keeps its owner id."""
+        user = self._existing(user_id)
+        self._guard_last_admin(user, "delete")
+        for key in self.keys_of(user_id):
+            if key.revoked_s is None:
+                self.revoke_key(key.key_id, now_s)
+        self.db.execute("UPDATE users SET deleted_s = ?, name = ?, updated_s = ? WHERE user_id = ?",
+                        (now_s, f"deleted-{user_id}", self._stamp(), user_id))
+        self._user_changed(user_id)
+
+    def _existing(self, user_id: str) -> User:
+        self._users.pop(user_id, None)
+        user = self.user(user_id)
+        if user is None or self.db.execute("SELECT deleted_s FROM users WHERE user_id = ?",
+                                           (user_id,)).fetchone()[0] is not None:
+            raise IdentityError("user", "no such user")
+        return user
+
+    def _user_changed(self, user_id: str) -> User:
+        self._users.pop(user_id, None)
+        self.end_sessions_of(user_id)
+        self._changed("users", user_id)
+        user = self.user(user_id)
+        assert user is not None
+        return user
 
     # ---- sessions -----------------------------------------------------------------------------------
 
@@ -364,7 +438,7 @@ class IdentityStore:
         if row is None or row[2] <= now_s:
             return None
         user = self.user(row[0])
-        return Session(user, row[1], row[2]) if user else None
+        return Session(user, row[1], row[2]) if user and not user.disabled else None
 
     def end_session(self, cookie: str | None) -> None:
         if cookie and "." in cookie:
@@ -464,7 +538,10 @@ class IdentityStore:
 
     def lookup_key(self, digest: str, now_s: float) -> ApiKey | None:
         key = self._keys.get(digest)
-        return key if key is not None and key.is_valid(now_s) else None
+        if key is None or not key.is_valid(now_s):
+            return None
+        owner = self.user(key.user_id)  # cached: a dict look-up per request
+        return key if owner is not None and not owner.disabled else None
 
     # ---- replication (see the module doc) -----------------------------------------------------------
 
@@ -497,6 +574,8 @@ class IdentityStore:
         cannot stand here (its user is not known yet, or a different user holds its name).
         """
         columns = REPLICATED.get(table)
+        if table == "users" and isinstance(row, dict):  # a gateway from before user management sends neither
+            row = {"disabled_s": None, "deleted_s": None, **row}
         if columns is None or not isinstance(row, dict) or set(row) != set(columns):
             raise ValueError(f"not a {table} row: {sorted(row) if isinstance(row, dict) else type(row).__name__}")
         if not isinstance(row["updated_s"], (int, float)):

@@ -118,6 +118,11 @@ class Pages:
         r.add_get("/admin/users", self.users_page)
         r.add_post("/admin/users", self.users_create)
         r.add_post("/admin/keys/{key_id}/quota", self.key_quota)
+        r.add_post("/admin/keys/{key_id}/revoke", self.admin_key_revoke)
+        r.add_post("/admin/users/{user_id}/role", self.user_role)
+        r.add_post("/admin/users/{user_id}/disable", self.user_disable)
+        r.add_post("/admin/users/{user_id}/enable", self.user_enable)
+        r.add_post("/admin/users/{user_id}/delete", self.user_delete)
         r.add_get("/admin/limits", self.limits_page)
         r.add_post("/admin/limits/user/{user_id}", self.limits_user_save)
         r.add_post("/admin/limits/key/{key_id}", self.limits_key_save)
@@ -187,6 +192,8 @@ class Pages:
         self.auth.throttle.succeeded(ip, name)
         assert found is not None
         user = found[0]
+        if user.disabled:
+            return self._signin(request, 403, "This account is disabled: ask an administrator.", name, next_path)
         old = request.cookies.get(SESSION_COOKIE)
         self.auth.store.end_session(old)  # a new session id at every login: no fixation
         cookie, _ = self.auth.store.create_session(user, time.time())
@@ -284,15 +291,16 @@ class Pages:
     # ---- Users ------------------------------------------------------------------------------------
 
     def _users_view(self, session: Session, status: int = 200, created: str = "", error: str = "",
-                    quota_saved: str = "", quota_errors: dict[str, str] | None = None,
+                    quota_saved: str = "", changed: str = "", quota_errors: dict[str, str] | None = None,
                     quota_values: dict[str, str] | None = None) -> web.Response:
         """``quota_errors``/``quota_values``: a refused quota form's reason and text, by key id."""
         now = time.time()
         keys = self.auth.store.keys_of(None)
         all_users = self.auth.store.users()
         names = {u.user_id: u.name for u in all_users}
-        users = [{"name": u.name, "role": u.role, "num_keys": sum(1 for k in keys if k.is_valid(now) and
-                                                              k.user_id == u.user_id)} for u in all_users]
+        users = [{"user_id": u.user_id, "name": u.name, "role": u.role, "disabled": u.disabled,
+                  "is_me": u.user_id == session.user.user_id,
+                  "num_keys": sum(1 for k in keys if k.is_valid(now) and k.user_id == u.user_id)} for u in all_users]
         quota_errors, quota_values = quota_errors or {}, quota_values or {}
         usable = sorted((k for k in keys if k.is_valid(now)), key=lambda k: (names.get(k.user_id, ""), k.name))
         key_rows = [{"key_id": k.key_id, "user": names.get(k.user_id, "?"), "name": k.name, "hint": k.hint,
@@ -301,7 +309,7 @@ class Pages:
                      "daily_quota": k.daily_quota, "error": quota_errors.get(k.key_id, "")} for k in usable]
         saved = self.auth.store.key_by_id(quota_saved) if quota_saved else None
         return self.render("users.html", status, title="Users", page="users", session=session, users=users,
-                           keys=key_rows, created=created, error=error, quota_saved=saved)
+                           keys=key_rows, created=created, error=error, quota_saved=saved, changed=changed)
 
     async def users_page(self, request: web.Request) -> web.Response:
         session = self.auth.page_user(request, time.time(), admin=True)
@@ -320,6 +328,56 @@ class Pages:
         except IdentityError as exc:
             return self._users_view(session, 400, quota_errors={key_id: exc.message}, quota_values={key_id: text})
         raise web.HTTPSeeOther(f"/admin/users?quota_saved={key_id}#key-{key_id}")
+
+    async def _user_action(self, request: web.Request, act: Callable[[Session, str, dict[str, str]], str]
+                           ) -> web.Response:
+        """An admin's change to a user (role, disable, enable, delete): the store refuses what would leave no
+        active admin; the page says what happened."""
+        session = self.auth.page_user(request, time.time(), admin=True)
+        form = await self._form(request, session)
+        user_id = request.match_info["user_id"]
+        if self.auth.store.user(user_id) is None:
+            raise HTTPError(404, "no such user", code="user_not_found")
+        try:
+            done = act(session, user_id, form)
+        except IdentityError as exc:
+            return self._users_view(session, 400, error=exc.message)
+        return self._users_view(session, changed=done)
+
+    async def user_role(self, request: web.Request) -> web.Response:
+        def act(session: Session, user_id: str, form: dict[str, str]) -> str:
+            user = self.auth.store.set_role(user_id, form.get("role", ""))  # type: ignore[arg-type]  # set_role refuses a role not in ROLES
+            return f"{user.name} is now {user.role}."
+        return await self._user_action(request, act)
+
+    async def user_disable(self, request: web.Request) -> web.Response:
+        def act(session: Session, user_id: str, form: dict[str, str]) -> str:
+            user = self.auth.store.set_disabled(user_id, True, time.time())
+            return f"{user.name} is disabled: no sign-in, every key refused."
+        return await self._user_action(request, act)
+
+    async def user_enable(self, request: web.Request) -> web.Response:
+        def act(session: Session, user_id: str, form: dict[str, str]) -> str:
+            return f"{self.auth.store.set_disabled(user_id, False, time.time()).name} is enabled again."
+        return await self._user_action(request, act)
+
+    async def user_delete(self, request: web.Request) -> web.Response:
+        def act(session: Session, user_id: str, form: dict[str, str]) -> str:
+            user = self.auth.store.user(user_id)
+            self.auth.store.delete_user(user_id, time.time())
+            return f"{user.name if user else user_id} is deleted; their keys are revoked."
+        return await self._user_action(request, act)
+
+    async def admin_key_revoke(self, request: web.Request) -> web.Response:
+        """An admin revokes any user's key (active or rotated in its grace period)."""
+        session = self.auth.page_user(request, time.time(), admin=True)
+        await self._form(request, session)
+        key_id = request.match_info["key_id"]
+        key = self.auth.store.key_by_id(key_id)
+        if key is None:
+            raise HTTPError(404, "no such key", code="key_not_found")
+        self.auth.store.revoke_key(key_id, time.time())
+        return self._users_view(session, changed=f"Key {key.name} ({key.key_id}) is revoked.")
 
     async def users_create(self, request: web.Request) -> web.Response:
         session = self.auth.page_user(request, time.time(), admin=True)
@@ -484,7 +542,8 @@ class Pages:
             # a key absent from the window had no traffic (0), unless the figures could not be fetched (unknown)
             window = usage.get(k.key_id) or ({} if usage_error else {"tokens": 0, "list_usd": 0.0, "energy_usd": 0.0})
             keys.append({"key_id": k.key_id, "name": k.name, "hint": k.hint, "status": status_text,
-                         "active": k.is_valid(now) and k.replaced_by is None, "daily_quota": k.daily_quota,
+                         "active": k.is_valid(now) and k.replaced_by is None, "usable": k.is_valid(now),
+                         "daily_quota": k.daily_quota,
                          "used_today": self.auth.used_today(k.key_id, now), "tokens_30d": window.get("tokens"),
                          "list_usd_30d": window.get("list_usd"), "energy_usd_30d": window.get("energy_usd")})
         totals = {field: _total(k[field] for k in keys) for field in ("tokens_30d", "list_usd_30d", "energy_usd_30d")}

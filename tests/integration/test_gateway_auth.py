@@ -24,7 +24,10 @@ from services.gateway.service import GatewayConfig, GatewayService
 from tests.integration.conftest import Stack, wait_for
 
 ADMIN_PAGES = ["/backends", "/admin/config/page", "/admin/costs", "/admin/users"]
-ADMIN_POSTS = ["/admin/config/page", "/admin/users", "/admin/keys/key_0123456789abcdef/quota"]
+ADMIN_POSTS = ["/admin/config/page", "/admin/users", "/admin/keys/key_0123456789abcdef/quota",
+               "/admin/keys/key_0123456789abcdef/revoke", "/admin/users/u_0123456789ab/role",
+               "/admin/users/u_0123456789ab/disable", "/admin/users/u_0123456789ab/enable",
+               "/admin/users/u_0123456789ab/delete"]
 ADMIN_JSON = [("GET", "/backends"), ("GET", "/admin/costs.json"), ("POST", "/admin/routing/explain")]
 PASSWORD = "a-long-password-1"
 
@@ -168,6 +171,51 @@ async def test_the_sign_in_redirect_never_leaves_the_site(stack: Stack, target: 
     assert location.startswith("/") and not location.startswith("//") and "evil" not in location, location
 
 
+async def test_an_admin_manages_other_users_and_their_keys_from_the_users_page(stack: Stack) -> None:
+    """Issue #25: an admin could not revoke another user's key, disable or delete a user, or change a role."""
+    store = stack.gateway.identity
+    _add_user(stack, "ned")
+    ned = store.user_by_name("ned")
+    assert ned is not None
+    ned_key, ned_record = store.create_key(ned.user_id, "ned-key", None, time.time())
+    spare, _ = store.create_key(ned.user_id, "spare", None, time.time())
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=ned_key, max_retries=0)
+    await client.models.list()
+    _add_user(stack, "ada", "admin")
+    async with _jar() as http:
+        assert (await _login(http, stack.base_url, "ada", PASSWORD)).status == 303
+        async with http.get(stack.base_url + "/admin/users") as r:
+            page = await r.text()
+        csrf = _csrf(page)
+        assert f'action="/admin/keys/{ned_record.key_id}/revoke"' in page
+        assert f'action="/admin/users/{ned.user_id}/disable"' in page
+
+        async def post(path: str, **fields: str) -> tuple[int, str]:
+            async with http.post(stack.base_url + path, data={"csrf": csrf, **fields}) as r:
+                return r.status, await r.text()
+        status, page = await post(f"/admin/keys/{ned_record.key_id}/revoke")
+        assert status == 200 and "is revoked" in page
+        with pytest.raises(openai.AuthenticationError):
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        spare_client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=spare, max_retries=0)
+        status, page = await post(f"/admin/users/{ned.user_id}/disable")
+        assert status == 200 and "ned is disabled" in page
+        with pytest.raises(openai.AuthenticationError):  # every key of a disabled user is refused
+            await spare_client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        async with _jar() as other:  # and they cannot sign in
+            assert (await _login(other, stack.base_url, "ned", PASSWORD)).status == 403
+        status, page = await post(f"/admin/users/{ned.user_id}/enable")
+        assert status == 200 and "enabled again" in page
+        status, page = await post(f"/admin/users/{ned.user_id}/role", role="admin")
+        assert status == 200 and "ned is now admin" in page and store.user_by_name("ned").role == "admin"  # type: ignore[union-attr]
+        status, page = await post(f"/admin/users/{ned.user_id}/delete")
+        assert status == 200 and "is deleted" in page and store.user_by_name("ned") is None
+        status, page = await post(f"/admin/users/{ned.user_id}/role", role="user")
+        assert status == 400 and "no such user" in page
+        await spare_client.close()
+    await client.close()
+
+
 async def test_keys_revocation_and_quota(stack: Stack) -> None:
     store = stack.gateway.identity
     user = store.create_user("wes", hash_password(PASSWORD), "user")
@@ -298,7 +346,8 @@ async def test_an_admin_sets_a_users_key_quota_on_the_users_page_and_the_key_is_
         async with http.get(stack.base_url + "/admin/users") as r:
             page = await r.text()
         assert "quinn" in _row(page, "data-key-id", record.key_id)
-        assert '<tr><td>quinn</td><td>user</td><td class="num">1</td></tr>' in page  # one usable key
+        row = _row(page, "data-user", "quinn")
+        assert '<td class="num">1</td>' in row and '<option value="user" selected>' in row  # one usable key, a user
         csrf = _csrf(page)
         for bad, reason in (("-3", "must not be negative"), ("1.5", "whole number"), ("0", "at least 1 token")):
             async with http.post(quota_url, data={"csrf": csrf, "daily_quota": bad}) as r:
