@@ -50,6 +50,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -435,11 +436,25 @@ def _upstream(data: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
     return data
 
 
+def _refuse_non_finite(data: Any, path: str = "") -> None:
+    """``json.loads`` reads ``NaN`` and ``Infinity``; no knob means either (an unbounded one, a price or a
+    capacity weight, would take ``Infinity``): refused, naming the key."""
+    if isinstance(data, float) and not math.isfinite(data):
+        raise ConfigError(path or "config", f"must be a finite number, got {data!r}")
+    if isinstance(data, dict):
+        for key, value in data.items():
+            _refuse_non_finite(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            _refuse_non_finite(value, f"{path}[{i}]")
+
+
 def parse(data: Any, warnings: list[str] | None = None) -> GatewayFileConfig:
     """Validate the parsed file; every problem is a ConfigError naming the key. Keys of the Go gateway's file
     that mean nothing here are dropped and described in ``warnings`` (one line each)."""
     if not isinstance(data, dict):
         raise ConfigError("config", f"must be an object, got {type(data).__name__}")
+    _refuse_non_finite(data)
     data = _upstream(data, warnings if warnings is not None else [])
     pools = {name: _pool(name, raw) for name, raw in _entries(data, "model_pools").items()}
     names: dict[str, str] = {}

@@ -68,7 +68,15 @@ def build_config(args: argparse.Namespace, file_config: pool_config.GatewayFileC
 
 
 async def run(args: argparse.Namespace) -> None:
-    file_config = pool_config.load(Path(args.config)) if args.config else None
+    file_config = None
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ConfigError("config", f"{path} does not exist (or is not a file)")
+        try:
+            file_config = pool_config.load(path)
+        except ConfigError:
+            file_config = None  # the service runs on the last good config and says why (pools_file.py)
     config = build_config(args, file_config)
     data = data_dir(args.data_dir)
     async with bus_session(nats_url_from_env(args.nats), f"gateway:{config.gateway_id}", data) as nc:

@@ -236,8 +236,10 @@ class Pages:
 
     def _config_view(self, session: Session, raw: dict[str, Any], errors: dict[str, str], saved: bool,
                      status: int = 200) -> web.Response:
+        problem = self.pools_file.problem
         return self.render("config.html", status, title="Config", page="config", session=session,
                            errors=errors, saved=saved, path=str(self.pools_file.config_path),
+                           problem=str(problem) if problem is not None else "",
                            **config_form.view_model(raw))
 
     async def config_page(self, request: web.Request) -> web.Response:

@@ -26,13 +26,36 @@ from services.gateway.http_backend import HttpBackend
 log = logging.getLogger(__name__)
 
 
-def initial_file_config(config_path: Path, given: pool_config.GatewayFileConfig | None, is_named: bool
-                        ) -> pool_config.GatewayFileConfig:
-    """The pools file at start: the one given, else ``config_path`` when it exists and was not named on the
-    command line (DATA/pools.json, what the Config page saves when no file was named), else the defaults."""
-    if given is None and not is_named and config_path.exists():
-        given = pool_config.load(config_path)
-    return given or pool_config.GatewayFileConfig()
+LAST_GOOD_NAME = "pools.last-good.json"  # in the data dir: the last pools file that loaded, for a broken restart
+
+
+def initial_file_config(config_path: Path, given: pool_config.GatewayFileConfig | None, last_good_path: Path
+                        ) -> tuple[pool_config.GatewayFileConfig, ConfigError | None]:
+    """The pools file at start, and the problem with it if it is broken.
+
+    The one given, else ``config_path`` when it exists (the file named on the command line, or DATA/pools.json,
+    what the Config page saves when none was named). A broken file does not stop the gateway (issue #25: a
+    corrupt pools.json crash-looped it and stopped the whole stack): it runs on the last file that loaded
+    (``last_good_path``, kept at every successful load), else the defaults, says so in the log and on the
+    Config page, and takes the file as soon as it is fixed."""
+    if given is not None:
+        return given, None
+    if not config_path.exists():
+        return pool_config.GatewayFileConfig(), None
+    try:
+        return pool_config.load(config_path), None
+    except ConfigError as problem:
+        fallback = pool_config.GatewayFileConfig()
+        source = "the defaults (no earlier config loaded on this host)"
+        if last_good_path.exists():
+            try:
+                fallback = pool_config.load(last_good_path)
+                source = f"the last config that loaded ({last_good_path})"
+            except ConfigError as exc:
+                log.error("the last good config %s is unusable too: %s", last_good_path, exc)
+        log.error("the pools file %s is broken, so the gateway runs on %s until it is fixed: %s", config_path,
+                  source, problem)
+        return fallback, problem
 
 
 def first_byte_timeout_s(override_s: float | None, file_config: pool_config.GatewayFileConfig) -> float:
@@ -53,7 +76,8 @@ class PoolsFile:
 
     def __init__(self, nc: Client, gateway_id: str, config_path: Path, file_config: pool_config.GatewayFileConfig,
                  auth: Auth, http: HttpBackend, first_chunk_timeout_s: float | None = None,
-                 stale_after_s: float | None = None, config_poll_s: float = 1.0) -> None:
+                 stale_after_s: float | None = None, config_poll_s: float = 1.0,
+                 last_good_path: Path | None = None, problem: ConfigError | None = None) -> None:
         self.nc = nc
         self.gateway_id = gateway_id
         self.config_path = config_path
@@ -65,6 +89,13 @@ class PoolsFile:
         self.config_poll_s = config_poll_s
         self._config_mtime: float | None = None
         self.auth.file_trusted = file_trusted_networks(file_config)
+        self.last_good_path = last_good_path
+        # the file in force is not the file on disk: why (the Config page's banner, /health), None when it is
+        self.problem = problem
+        if problem is not None:
+            self._config_mtime = _mtime(config_path)  # reload only once the file changes again
+        else:
+            self._keep_last_good(file_config)
 
     @property
     def first_byte_timeout_s(self) -> float:
@@ -88,6 +119,15 @@ class PoolsFile:
     def config_dict(self) -> dict[str, Any]:
         return pool_config.to_dict(self.file_config)
 
+    def _keep_last_good(self, config: pool_config.GatewayFileConfig) -> None:
+        """A copy of a config that loaded, for a restart that finds the file broken (small: written in place)."""
+        if self.last_good_path is None:
+            return
+        try:
+            atomic_write_text(self.last_good_path, json.dumps(pool_config.to_dict(config), indent=2) + "\n")
+        except OSError as exc:
+            log.warning("could not keep a copy of the last good config at %s: %s", self.last_good_path, exc)
+
     async def apply_config(self, raw: dict[str, Any], broadcast: bool = True) -> ConfigError | None:
         """Validate, save atomically, apply now, and tell the other gateways; a bad config changes nothing."""
         try:
@@ -95,8 +135,17 @@ class PoolsFile:
         except ConfigError as exc:
             return exc
         text = json.dumps(raw, indent=2) + "\n"
-        await asyncio.to_thread(atomic_write_text, self.config_path, text)
+        try:
+            await asyncio.to_thread(atomic_write_text, self.config_path, text)
+        except OSError as exc:
+            # e.g. the compose layout mounts the file read-only: say so, change nothing (was a raw 500)
+            reason = exc.strerror or str(exc)
+            return ConfigError("config", f"{self.config_path} cannot be written ({reason}); nothing was changed. "
+                                         "If it is mounted read-only, edit it on the host (the gateway reloads it "
+                                         "when it changes) or mount it writable")
         self._use_file_config(parsed)
+        self.problem = None
+        await asyncio.to_thread(self._keep_last_good, parsed)
         self._config_mtime = _mtime(self.config_path)
         log.info("config saved to %s and applied: %d pool(s)", self.config_path, len(parsed.pools))
         if broadcast:
@@ -139,10 +188,13 @@ class PoolsFile:
                 parsed = await asyncio.to_thread(pool_config.load, self.config_path)
             except ConfigError as exc:
                 log.error("kept the previous config: %s", exc)
+                self.problem = exc
                 continue
+            self.problem = None
             if parsed == self.file_config:
                 continue  # rewritten with what we have (another gateway saved it into a shared file)
             self._use_file_config(parsed)
+            await asyncio.to_thread(self._keep_last_good, parsed)
             log.info("reloaded %s: %d pool(s)", self.config_path, len(self.file_config.pools))
             await self._announce_config(pool_config.to_dict(parsed))  # as for a Config page save
 

@@ -48,7 +48,7 @@ from services.gateway.limits import Cost, PromptEstimator
 from services.gateway.openapi import document as openapi_document
 from services.gateway.pages import Pages
 from services.gateway.peers import Peers, bootstrap_admin
-from services.gateway.pools_file import PoolsFile, first_byte_timeout_s, initial_file_config
+from services.gateway.pools_file import LAST_GOOD_NAME, PoolsFile, first_byte_timeout_s, initial_file_config
 from services.gateway.usage_publisher import UsagePublisher
 from services.gateway.usage_spool import UsageSpool
 
@@ -89,7 +89,8 @@ class GatewayService:
         data = config.data_dir or Path("data")
         # the pools file: --config, else DATA/pools.json (what the Config page saves when no file was named)
         config_path = config.config_path or data / "pools.json"
-        file_config = initial_file_config(config_path, file_config, config.config_path is not None)
+        last_good = data / LAST_GOOD_NAME
+        file_config, config_problem = initial_file_config(config_path, file_config, last_good)
         self.identity = IdentityStore(data / "identity")
         self.identity_sync = IdentitySync(nc, self.identity, config.gateway_id)
         self.auth = Auth(self.identity, parse_networks(config.trusted_networks),
@@ -103,7 +104,8 @@ class GatewayService:
             first_byte_timeout_s=first_byte_timeout_s(config.first_chunk_timeout_s, file_config),
             request_timeout_s=file_config.limits.request_timeout_s)
         self.pools_file = PoolsFile(nc, config.gateway_id, config_path, file_config, self.auth, self.http,
-                                    config.first_chunk_timeout_s, config.stale_after_s, config.config_poll_s)
+                                    config.first_chunk_timeout_s, config.stale_after_s, config.config_poll_s,
+                                    last_good, config_problem)
         self.heartbeats = HeartbeatIntake(nc, self.fleet, self.router.load_of)
         self.spool = UsageSpool(data / "usage-spool" / config.gateway_id)
         self.usage = UsagePublisher(nc, config.gateway_id, self.spool, config.usage_buffer, self._quiet_log)
@@ -284,7 +286,9 @@ class GatewayService:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "gateway_id": self.config.gateway_id,
                                   "nats_connected": self.nc.is_connected,
-                                  "usage_spooled": self.spool.has_pending()})
+                                  "usage_spooled": self.spool.has_pending(),
+                                  # the pools file on disk is broken and an older config is in force (why)
+                                  "config_error": str(self.pools_file.problem) if self.pools_file.problem else None})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document())
