@@ -176,18 +176,24 @@ async def test_each_engine_kind_is_detected_and_its_heartbeat_carries_what_it_sa
         assert v is not None and (v.model_id, v.running, v.waiting, v.kv_usage, v.kv_blocks_total, v.max_context) == (
             "Qwen/Qwen3-8B", 3, 2, 0.4, 2000, 32768)
         assert v.kv_capacity_tokens == 2000 * 16  # num_gpu_blocks x block_size
-        assert v.lanes is None  # vLLM does not export max_num_seqs: unknown, not 0
+        # vLLM does not export max_num_seqs: 3 running while 2 wait says its scheduler is full at 3 (lanes.py)
+        assert (v.lanes, v.signal_sources) == (3, {"lanes": "learned", "running": "/metrics", "waiting": "/metrics",
+                                                   "kv_usage": "/metrics", "kv_capacity_tokens": "cache_config_info",
+                                                   "max_context": "/v1/models"})
         l_, lo = hb["l"], hb["lo"]
         assert l_ is not None and (l_.lanes, l_.running, l_.waiting, l_.kv_usage) == (3, 1, 2, 0.25)
         assert lo is not None and (lo.lanes, lo.running, lo.waiting, lo.kv_usage) == (2, 2, None, None)
+        assert l_.signal_sources is not None and l_.signal_sources["lanes"] == l_.signal_sources["running"] == "/slots"
         n = hb["n"]
         assert n is not None and (n.lanes, n.running, n.waiting, n.admitted_total, n.energy_today_wh) == (
             8, 2, 0, 42, 10.0)
         s = hb["s"]
         assert s is not None and (s.running, s.waiting, s.kv_usage) == (5, 4, 0.15)
+        assert (s.lanes, (s.signal_sources or {}).get("lanes")) == (5, "learned")  # no server info here: 5 run, 4 queue
         st = hb["st"]
         assert st is not None and st.model_id == "tiny"
         assert (st.lanes, st.running, st.waiting, st.kv_usage) == (None, None, None, None)  # no signal
+        assert st.signal_sources is None  # nothing to say where it came from
         for h in hb.values():
             assert h is not None and h.backend == fleet.urls[h.worker_id]
             assert h.heartbeat_interval_s == INTERVAL_S and h.ts_s > 0

@@ -191,9 +191,12 @@ sglang:max_total_num_tokens{model_name="@MODEL@"} 40000.0
 '''
 
 
-def sglang_metrics(*, model_name: str = "meta-llama/Llama-3.1-8B-Instruct", token_usage: str = "0.15") -> str:
+def sglang_metrics(*, model_name: str = "meta-llama/Llama-3.1-8B-Instruct", token_usage: str = "0.15",
+                   running: int = 5, queued: int = 4) -> str:
     '''An SGLang ``/metrics`` body; ``token_usage`` (its KV occupancy) is written as given, ``"NaN"`` included.'''
-    return _SGLANG_TEMPLATE.replace("@MODEL@", prom_label(model_name)).replace("@KV@", token_usage)
+    return (_SGLANG_TEMPLATE.replace("@MODEL@", prom_label(model_name)).replace("@KV@", token_usage)
+            .replace('"} 5.0\n# HELP sglang:num_used_tokens', f'"}} {running:.1f}\n# HELP sglang:num_used_tokens')
+            .replace('"} 4.0\n# HELP sglang:cache_hit_rate', f'"}} {queued:.1f}\n# HELP sglang:cache_hit_rate'))
 
 
 SGLANG_METRICS = sglang_metrics()
