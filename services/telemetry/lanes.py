@@ -59,9 +59,12 @@ def resolve(reading: Reading, memory: LaneMemory, *, declared: int | None, defau
     running = reading.running
     if running is not None and reading.waiting and running > 0:
         learned = max(learned or 0, running)
+    # a marker the reading lacks (a counter absent this once) keeps the last one seen
     memory = LaneMemory(engine_kind=reading.engine_kind, learned_lanes=learned,
                         process_start_s=reading.process_start_s or memory.process_start_s,
-                        tokens_processed_total=reading.tokens_processed_total)
+                        tokens_processed_total=(reading.tokens_processed_total
+                                                if reading.tokens_processed_total is not None
+                                                else memory.tokens_processed_total))
     if reading.engine_kind not in ESTIMATED_KINDS or reading.lanes:
         return reading, memory
     if declared:

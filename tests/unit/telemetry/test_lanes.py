@@ -81,6 +81,14 @@ def test_what_was_learned_is_forgotten_when_the_engine_restarts(restarted: dict[
     assert (r.lanes, r.signal_sources["lanes"], memory.learned_lanes) == (DEFAULT, "default", None)
 
 
+def test_a_reading_without_restart_markers_keeps_the_last_ones_seen() -> None:
+    _, memory = _resolve(_vllm(running=6, waiting=2, prompt_tokens=5000.0))
+    silent = replace(_vllm(running=1, waiting=0), process_start_s=None, tokens_processed_total=None)
+    _, memory = _resolve(silent, memory)
+    assert (memory.process_start_s, memory.tokens_processed_total, memory.learned_lanes) == (1.7e9, 5000 + 700, 6)
+    assert lanes.is_restart(memory, _vllm(running=1, waiting=0, prompt_tokens=10.0))
+
+
 def test_another_kind_answering_on_the_url_is_a_restart() -> None:
     _, memory = _resolve(_vllm(running=6, waiting=2))
     sglang = n.sglang_reading(parse(samples.SGLANG_METRICS, n.wanted_family), n.ModelsInfo())
