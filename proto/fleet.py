@@ -54,6 +54,10 @@ class SlotHeartbeat(Message, frozen=True):
     # Appended: how many tokens the KV cache holds (blocks x block size), so a gateway can bound what its
     # cache-affinity table credits the engine with holding (docs/routing.md §4); None where unknown.
     kv_capacity_tokens: int | None = None
+    # Appended: where each load figure came from, field name -> source ("/slots", "/props", "/metrics",
+    # "/server_info", "cache_config_info", "declared", "learned", "default", ...; docs/telemetry.md). Telemetry
+    # fills it for the members it scrapes; our own engines' bus heartbeats leave it None.
+    signal_sources: dict[str, str] | None = None
 
 
 class EnergyReading(Message, frozen=True):

@@ -18,9 +18,12 @@ VLLM_WAITING_WEIGHT = 0.1
 VLLM_WAITING_CAP = 5
 
 # Kinds whose heartbeat counts lanes the lane formula reads: our engines (lanes), llama.cpp (``/slots``: one
-# entry per slot, ``is_processing``; ``llamacpp:requests_deferred`` waiting) and SGLang
-# (``sglang:max_running_requests``, ``num_running_reqs``, ``num_queue_reqs``). Issue #24: llama.cpp's signal was
-# collected and shown, then ignored, so a member with every slot busy took requests over an idle one.
+# entry per slot, ``is_processing``, else ``/props`` ``total_slots``; ``llamacpp:requests_deferred`` waiting) and
+# SGLang (``sglang:max_running_requests`` or ``/server_info``, ``num_running_reqs``, ``num_queue_reqs``). Issue #24:
+# llama.cpp's signal was collected and shown, then ignored, so a member with every slot busy took requests over an
+# idle one. vLLM has its own branch below. Telemetry fills ``lanes`` for vllm, llamacpp and sglang even when the
+# engine does not say (declared, learned or the default: services/telemetry/lanes.py), so every member that
+# reports running gets a number; only one with no running at all (stock) is None.
 LANE_KINDS = frozenset({"native", "ninfer", "llamacpp", "sglang"})
 
 # Our engines' weights (pools file ``metrics``: the gateway may set others) and the KV occupancy that counts

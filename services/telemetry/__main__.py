@@ -31,11 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--discover", action="append", default=[], metavar="HOST:PORT-PORT",
                         help="probe these ports with GET /v1/models and watch what answers (repeatable)")
     parser.add_argument("--lanes", action="append", default=[], metavar="ID=N",
-                        help="a vLLM member's max_num_seqs, which vLLM does not export (repeatable)")
+                        help="a member's lane count (vLLM's max_num_seqs, which vLLM does not export; repeatable): "
+                             "wins over the pools file's max_seqs / metrics.backend_max_seqs")
     parser.add_argument("--interval", type=float, default=None,
                         help="seconds between scrapes (>= 0.1; default: the pools file's metrics.poll_interval, "
                              "which then follows the file's changes, else 1.0)")
-    parser.add_argument("--timeout", type=float, default=2.0, help="seconds one scrape may take")
+    parser.add_argument("--timeout", type=float, default=schedule.DEFAULT_TIMEOUT_S,
+                        help="seconds one request may take (at most the scrape interval, at least "
+                             f"{schedule.MIN_REQUEST_TIMEOUT_S:g}); a timed-out request is retried once")
     parser.add_argument("--energy-interval", type=float, default=5.0,
                         help="seconds between energy samples per member (engine-reported energy)")
     parser.add_argument("--host", default="127.0.0.1", help="address of telemetry's /metrics server")
@@ -81,15 +84,18 @@ def build_config(args: argparse.Namespace) -> TelemetryConfig:
         members.append(Member(member_id, url.rstrip("/"), lanes.get(member_id)))
     from_pools = set()
     interval_s = schedule.DEFAULT_INTERVAL_S  # the pools file's metrics.poll_interval default, when no file
+    default_lanes = pool_config.MetricsConfig().default_lanes
     # the gateway's pools file: --config, else the one its Config page saves in the data dir
     pools_path = Path(args.config) if args.config else data_dir(args.data_dir) / "pools.json"
     if args.config or pools_path.exists():
         known = {m.member_id for m in members}
         pools = pool_config.load(pools_path)
         interval_s = pools.metrics.poll_interval  # pool_config bounds it to 0.1..60 s
+        default_lanes = pools.metrics.default_lanes
         for m in pools.http_members():
             if m.member_id not in known:
-                members.append(Member(m.member_id, m.backend.rstrip("/"), lanes.get(m.member_id), m.api_key))
+                declared = lanes.get(m.member_id) or pools.metrics.max_seqs_for(m)
+                members.append(Member(m.member_id, m.backend.rstrip("/"), declared, m.api_key))
                 from_pools.add(m.member_id)
     unknown = sorted(set(lanes) - {m.member_id for m in members})
     if unknown:
@@ -105,7 +111,7 @@ def build_config(args: argparse.Namespace) -> TelemetryConfig:
     return TelemetryConfig(members=tuple(members), interval_s=interval_s, is_interval_from_pools=args.interval is None,
                            timeout_s=args.timeout, energy_interval_s=args.energy_interval,
                            discover=tuple(discovery.parse_range(s) for s in args.discover),
-                           from_pools=frozenset(from_pools))
+                           from_pools=frozenset(from_pools), default_lanes=default_lanes, flag_lanes=lanes)
 
 
 async def run(args: argparse.Namespace) -> None:

@@ -16,7 +16,8 @@ Transition = Literal["down", "recovered"]
 
 @dataclass(frozen=True)
 class Member:
-    """An HTTP engine to watch. ``lanes``: the operator's max_num_seqs for engines that do not export it;
+    """An HTTP engine to watch. ``lanes``: the operator's declared lane count (max_num_seqs) for engines that
+    do not export it (``--lanes``, else the pools file's ``max_seqs`` / ``metrics.backend_max_seqs``; lanes.py);
     ``api_key``: the pools file's key for the member, sent as ``Authorization: Bearer`` on every scrape."""
 
     member_id: str
@@ -59,7 +60,7 @@ def heartbeat(member: Member, reading: Reading, *, session_id: str, seq: int, ts
         prompt_tokens_hit_total=reading.prompt_tokens_hit_total, prefill_tok_per_s=reading.prefill_tok_per_s,
         decode_tok_per_s=reading.decode_tok_per_s, energy_today_wh=reading.energy_today_wh,
         energy_30d_wh=reading.energy_30d_wh, kv_capacity_tokens=reading.kv_capacity_tokens,
-        heartbeat_interval_s=interval_s,
+        heartbeat_interval_s=interval_s, signal_sources=dict(reading.signal_sources) or None,
     )
 
 

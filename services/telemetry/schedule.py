@@ -13,6 +13,16 @@ import zlib
 
 MIN_INTERVAL_S = 0.1  # issue 6: the heartbeat rate is "tunable down to 100 ms"
 DEFAULT_INTERVAL_S = 1.0  # as the pools file's metrics.poll_interval defaults (proto/pools.py)
+DEFAULT_TIMEOUT_S = 2.0  # --timeout: one request's deadline, before the interval bounds it
+# The shortest deadline a request gets however short the interval: loopback answers in milliseconds, a member
+# across a data centre in tens of them; 250 ms leaves room for a loaded host without holding a 0.1 s loop long.
+MIN_REQUEST_TIMEOUT_S = 0.25
+
+
+def request_timeout_s(timeout_s: float, interval_s: float) -> float:
+    """Each request's deadline: ``--timeout`` (2 s), at most the scrape interval (a request may not outlive
+    the tick it serves by much), but never under :data:`MIN_REQUEST_TIMEOUT_S` nor above ``timeout_s``."""
+    return min(timeout_s, max(interval_s, MIN_REQUEST_TIMEOUT_S))
 
 
 def phase_s(member_id: str, interval_s: float) -> float:

@@ -4,7 +4,8 @@ Each member has its own loop (a slow or hung member delays only itself), phase-s
 interval so 200 members do not all fire in the same millisecond. All loops share one aiohttp session.
 Per scrape::
 
-    ok   → SlotHeartbeat(state="ready", ts_s=scrape start) on llm.v1.hb.<id> and the llm_workers KV bucket;
+    ok   → lanes resolved (lanes.py: the engine's, declared, learned, default), then
+           SlotHeartbeat(state="ready", ts_s=scrape start) on llm.v1.hb.<id> and the llm_workers KV bucket;
            an EnergySample on ENERGY when the engine reported energy (at most every energy_interval_s)
     1st failure → nothing: gateways keep the last reading, which ages (their stale threshold applies)
     2nd+ failure → SlotHeartbeat(state="down"), logged once; the member's kind is re-detected next time
@@ -18,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -31,7 +33,7 @@ from proto import pools as pool_config
 from services.common.http import error_middleware
 from services.common.prom import CONTENT_TYPE
 from services.common.runtime import ConfigError, new_session_id, raise_if_cancelling
-from services.telemetry import discovery, schedule, views
+from services.telemetry import discovery, lanes, schedule, views
 from services.telemetry.normalize import MalformedBody, Reading, models_info
 from services.telemetry.probe import Health, Member, down_heartbeat, energy_sample, heartbeat
 from services.telemetry.scraper import Knowledge, ScrapeError, Scraper
@@ -50,11 +52,14 @@ class TelemetryConfig:
     # True when interval_s is the pools file's metrics.poll_interval (no --interval was given): a saved
     # pools file's new poll_interval then applies at once. False: the operator's flag wins over any file.
     is_interval_from_pools: bool = False
-    timeout_s: float = 2.0  # one scrape (detection included) must finish within this
+    timeout_s: float = schedule.DEFAULT_TIMEOUT_S  # one request's deadline (schedule.request_timeout_s bounds it)
     energy_interval_s: float = 5.0
     discover: tuple[discovery.PortRange, ...] = ()
     discover_interval_s: float = 30.0
     from_pools: frozenset[str] = frozenset()  # members that came from the pools file (follow its changes)
+    # lanes for members whose engine does not say and nobody declared: the pools file's metrics.default_max_seqs
+    default_lanes: int = field(default_factory=lambda: pool_config.MetricsConfig().default_lanes)
+    flag_lanes: Mapping[str, int] = field(default_factory=dict)  # --lanes ID=N: wins over the pools file's
 
 
 @dataclass
@@ -75,14 +80,16 @@ class MemberState:
     failures_total: int = 0
     energy_seq: int = 0
     energy_sent_s: float = float("-inf")
+    lane_memory: lanes.LaneMemory = field(default_factory=lanes.LaneMemory)
 
-    def status(self) -> views.MemberStatus:
+    def status(self, retries_total: int = 0) -> views.MemberStatus:
         return views.MemberStatus(
             member_id=self.member.member_id, url=self.member.url, engine_kind=self.knowledge.kind or (
                 self.last.engine_kind if self.last else None),
             is_up=self.scrapes_total > 0 and not self.health.is_down,
             heartbeat=self.heartbeat, previous=self.previous, last_ok_s=self.last_ok_s,
             scrapes_total=self.scrapes_total, failures_total=self.failures_total, is_discovered=self.is_discovered,
+            retries_total=retries_total,
         )
 
 
@@ -98,6 +105,7 @@ class TelemetryService:
         self._kv: KeyValue | None = None
         self._scraper: Scraper | None = None
         self.interval_s = config.interval_s  # seconds between a member's scrapes now; set_interval changes it
+        self.default_lanes = config.default_lanes  # follows the pools file's metrics.default_max_seqs
         self._retimed = asyncio.Event()  # set (and replaced) when interval_s changes: wakes every waiting loop
         self.following_pools = asyncio.Event()  # set once config changes are listened to (tests await it)
 
@@ -106,10 +114,10 @@ class TelemetryService:
     async def run(self) -> None:
         """Scrape until cancelled."""
         connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, limit_per_host=0, ttl_dns_cache=300)
-        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http, \
+        # each request has its own deadline (Scraper.request_timeout_s); none for the session as a whole
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http, \
                 asyncio.TaskGroup() as group:
-            self._scraper = Scraper(http)
+            self._scraper = Scraper(http, self.request_timeout_s)
             self._group = group
             for state in list(self.members.values()):
                 self._start(state)
@@ -131,7 +139,10 @@ class TelemetryService:
         except ConfigError as exc:
             log.warning("ignored a config-changed message: %s", exc)
             return
-        self.follow_pools([Member(m.member_id, m.backend.rstrip("/"), api_key=m.api_key)
+        self.default_lanes = config.metrics.default_lanes
+        self.follow_pools([Member(m.member_id, m.backend.rstrip("/"),
+                                  self.config.flag_lanes.get(m.member_id) or config.metrics.max_seqs_for(m),
+                                  api_key=m.api_key)
                            for m in config.http_members()])
         if self.config.is_interval_from_pools:
             self.set_interval(config.metrics.poll_interval)
@@ -143,8 +154,14 @@ class TelemetryService:
             return
         log.info("scraping every %gs (was %gs): the pools file's metrics.poll_interval", interval_s, self.interval_s)
         self.interval_s = interval_s
+        if self._scraper is not None:
+            self._scraper.request_timeout_s = self.request_timeout_s
         retimed, self._retimed = self._retimed, asyncio.Event()
         retimed.set()
+
+    @property
+    def request_timeout_s(self) -> float:
+        return schedule.request_timeout_s(self.config.timeout_s, self.interval_s)
 
     def follow_pools(self, members: list[Member]) -> None:
         wanted = {m.member_id: m for m in members}
@@ -157,8 +174,9 @@ class TelemetryService:
                 log.info("stopped watching %s: no pool names it any more", mid)
         for mid, member in wanted.items():
             known = self.members.get(mid)
-            if known is not None and known.from_pools and known.member.api_key != member.api_key:
-                known.member = dataclasses.replace(known.member, api_key=member.api_key)  # a new key: next scrape
+            if known is not None and known.from_pools and (known.member.api_key, known.member.lanes) != (
+                    member.api_key, member.lanes):  # a new key or declared lanes: from the next scrape
+                known.member = dataclasses.replace(known.member, api_key=member.api_key, lanes=member.lanes)
             if known is None:
                 state = self.members[mid] = MemberState(member, from_pools=True)
                 self._start(state)
@@ -201,14 +219,10 @@ class TelemetryService:
         started_s = time.time()
         state.scrapes_total += 1
         reading: Reading | None = None
-        try:
-            async with asyncio.timeout(self.config.timeout_s):
-                reading, state.knowledge = await self._scraper.scrape(member, state.knowledge)
+        try:  # every request has its deadline and one retry (scraper.py), so the scrape as a whole is bounded
+            reading, state.knowledge = await self._scraper.scrape(member, state.knowledge)
         except ScrapeError as exc:
             reason = str(exc)
-        except TimeoutError:
-            raise_if_cancelling()
-            reason = f"{member.member_id}: no answer within {self.config.timeout_s:g}s"
         except Exception:  # a body no normaliser foresaw: a failed scrape, never a dead telemetry service
             log.exception("scrape of %s failed unexpectedly", member.member_id)
             reason = f"{member.member_id}: unexpected error (logged)"
@@ -227,6 +241,8 @@ class TelemetryService:
                                                           seq=state.seq, ts_s=started_s,
                                                           interval_s=self.interval_s))
             return
+        reading, state.lane_memory = lanes.resolve(reading, state.lane_memory, declared=member.lanes,
+                                                   default=self.default_lanes)
         if transition == "recovered":
             log.info("member %s recovered (%s)", member.member_id, reading.engine_kind)
         elif state.last is None or state.last.engine_kind != reading.engine_kind:
@@ -311,7 +327,8 @@ class TelemetryService:
     # ---- HTTP --------------------------------------------------------------------------------------
 
     def statuses(self) -> list[views.MemberStatus]:
-        return [s.status() for s in self.members.values()]
+        retries = self._scraper.retries_total if self._scraper is not None else {}
+        return [s.status(retries.get(mid, 0)) for mid, s in self.members.items()]
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware])

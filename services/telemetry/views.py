@@ -28,6 +28,7 @@ class MemberStatus:
     scrapes_total: int
     failures_total: int
     is_discovered: bool = False
+    retries_total: int = 0  # requests asked a second time within a scrape (timeout, connection error, 5xx)
 
     def load(self) -> float | None:
         hb = self.heartbeat
@@ -56,6 +57,11 @@ def metrics_text(members: Iterable[MemberStatus], now_s: float) -> str:
         m.counter("llmgw_telemetry_scrapes_total", "Scrapes attempted.", row.scrapes_total, {"member": row.member_id})
         m.counter("llmgw_telemetry_scrape_failures_total", "Scrapes that failed (error, bad body, timeout).",
                   row.failures_total, {"member": row.member_id})
+        m.counter("llmgw_telemetry_request_retries_total", "Requests asked a second time within a scrape "
+                  "(timeout, connection error, 5xx).", row.retries_total, {"member": row.member_id})
+        for name, source in sorted((hb.signal_sources or {}).items() if hb else ()):
+            m.gauge("llmgw_telemetry_member_signal_source", "1 for where each heartbeat field came from "
+                    "(field, source; docs/telemetry.md).", 1, {**labels, "field": name, "source": source})
     return m.render()
 
 
@@ -68,6 +74,9 @@ def members_body(members: Iterable[MemberStatus], now_s: float) -> dict[str, Any
             "member_id": row.member_id, "backend": row.url, "engine_kind": row.engine_kind, "up": row.is_up,
             "discovered": row.is_discovered, "model_id": hb.model_id if hb else None,
             "load_score": row.load(), "heartbeat_age_s": None if row.last_ok_s is None else now_s - row.last_ok_s,
+            "lanes": hb.lanes if hb else None, "running": hb.running if hb else None,
+            "waiting": hb.waiting if hb else None, "signal_sources": hb.signal_sources if hb else None,
             "scrapes_total": row.scrapes_total, "failures_total": row.failures_total,
+            "retries_total": row.retries_total,
         })
     return {"members": out}

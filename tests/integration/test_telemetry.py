@@ -45,7 +45,7 @@ class Engine:
     """A fixture engine: ``kind`` picks the endpoints it serves; ``fault`` breaks every answer."""
 
     kind: str
-    fault: str | None = None  # "500" | "garbage" | "hang"
+    fault: str | None = None  # "500" | "garbage" | "hang" | "flaky" (every other /metrics answers 503)
     metrics: str | None = None  # a vllm or sglang /metrics body other than the sample one
     slots: dict[str, Any] = field(default_factory=samples.ninfer_slots)
     usage: dict[str, Any] = field(default_factory=lambda: samples.ninfer_usage({"2026-01-01": 10.0}))
@@ -59,6 +59,8 @@ class Engine:
         @web.middleware
         async def faults(request: web.Request, handler: Any) -> web.StreamResponse:
             self.hits[request.path] += 1
+            if self.fault == "flaky" and request.path == "/metrics" and self.hits[request.path] % 2:
+                return web.json_response({"error": {"message": "upstream busy"}}, status=503)
             if self.fault == "500":
                 return web.json_response({"error": {"message": "boom"}}, status=500)
             if self.fault == "garbage":
@@ -176,18 +178,24 @@ async def test_each_engine_kind_is_detected_and_its_heartbeat_carries_what_it_sa
         assert v is not None and (v.model_id, v.running, v.waiting, v.kv_usage, v.kv_blocks_total, v.max_context) == (
             "Qwen/Qwen3-8B", 3, 2, 0.4, 2000, 32768)
         assert v.kv_capacity_tokens == 2000 * 16  # num_gpu_blocks x block_size
-        assert v.lanes is None  # vLLM does not export max_num_seqs: unknown, not 0
+        # vLLM does not export max_num_seqs: 3 running while 2 wait says its scheduler is full at 3 (lanes.py)
+        assert (v.lanes, v.signal_sources) == (3, {"lanes": "learned", "running": "/metrics", "waiting": "/metrics",
+                                                   "kv_usage": "/metrics", "kv_capacity_tokens": "cache_config_info",
+                                                   "max_context": "/v1/models"})
         l_, lo = hb["l"], hb["lo"]
         assert l_ is not None and (l_.lanes, l_.running, l_.waiting, l_.kv_usage) == (3, 1, 2, 0.25)
         assert lo is not None and (lo.lanes, lo.running, lo.waiting, lo.kv_usage) == (2, 2, None, None)
+        assert l_.signal_sources is not None and l_.signal_sources["lanes"] == l_.signal_sources["running"] == "/slots"
         n = hb["n"]
         assert n is not None and (n.lanes, n.running, n.waiting, n.admitted_total, n.energy_today_wh) == (
             8, 2, 0, 42, 10.0)
         s = hb["s"]
         assert s is not None and (s.running, s.waiting, s.kv_usage) == (5, 4, 0.15)
+        assert (s.lanes, (s.signal_sources or {}).get("lanes")) == (5, "learned")  # no server info here: 5 run, 4 queue
         st = hb["st"]
         assert st is not None and st.model_id == "tiny"
         assert (st.lanes, st.running, st.waiting, st.kv_usage) == (None, None, None, None)  # no signal
+        assert st.signal_sources is None  # nothing to say where it came from
         for h in hb.values():
             assert h is not None and h.backend == fleet.urls[h.worker_id]
             assert h.heartbeat_interval_s == INTERVAL_S and h.ts_s > 0
@@ -263,6 +271,22 @@ async def test_a_failing_member_is_down_after_two_failures_without_affecting_oth
         back = fleet.last("bad")
         assert back is not None and back.engine_kind == "ninfer" and back.lanes == 8  # re-detected
         assert not state.health.is_down
+
+
+async def test_a_flaky_metrics_endpoint_is_retried_within_each_scrape_and_the_member_never_goes_down(
+        nc: Client) -> None:
+    """Every other /metrics answers 503: the retry in the same scrape gets the reading, so no scrape fails."""
+    async with fleet_of(nc, {"flaky": "vllm"}) as fleet:
+        await _ready(fleet, "flaky")
+        state = fleet.telemetry.members["flaky"]
+        failures_before = state.failures_total
+        seen = len(fleet.heartbeats["flaky"])
+        fleet.engines["flaky"].fault = "flaky"
+        await wait_for(lambda: len(fleet.heartbeats["flaky"]) >= seen + 5, timeout_s=30)
+        assert all(hb.state == "ready" and hb.running == 3 for hb in fleet.heartbeats["flaky"][seen:])
+        assert state.failures_total == failures_before
+        status = next(s for s in fleet.telemetry.statuses() if s.member_id == "flaky")
+        assert status.retries_total >= 4  # about one per scrape since the fault began
 
 
 async def test_energy_from_ninfer_usage_lands_in_the_energy_stream_only_when_reported(nc: Client) -> None:
@@ -341,14 +365,21 @@ async def test_discovery_watches_what_answers_v1_models_under_a_deterministic_id
 def test_flags_build_the_config_from_members_a_pools_file_and_lanes(tmp_path: Path) -> None:
     pools = tmp_path / "pools.json"
     pools.write_text(json.dumps({"model_pools": {"m": {"members": [
-        {"model_id": "m", "backend": "http://10.0.0.1:8000/"}, {"model_id": "m", "backend": "bus:w1"}]}}}))
+        {"model_id": "m", "backend": "http://10.0.0.1:8000/"}, {"model_id": "m", "backend": "bus:w1"},
+        {"id": "own", "model_id": "m", "backend": "http://10.0.0.2:8000", "max_seqs": 16},
+        {"id": "flagged", "model_id": "m", "backend": "http://10.0.0.3:8000", "max_seqs": 16}]}},
+        "metrics": {"default_max_seqs": 5, "backend_max_seqs": {"http://10.0.0.1:8000": 32}}}))
     parser = argparse.ArgumentParser()
     telemetry_main.add_arguments(parser)
     args = parser.parse_args(["--member", "a=http://h:1", "--config", str(pools), "--lanes", "a=64",
-                              "--discover", "h:8000-8002", "--interval", "0.5"])
+                              "--lanes", "flagged=8", "--discover", "h:8000-8002", "--interval", "0.5"])
     config = telemetry_main.build_config(args)
-    assert config.members == (Member("a", "http://h:1", 64), Member("http-10-0-0-1-8000", "http://10.0.0.1:8000"))
+    # declared lanes: --lanes, else the member's max_seqs, else metrics.backend_max_seqs by URL
+    assert config.members == (Member("a", "http://h:1", 64), Member("http-10-0-0-1-8000", "http://10.0.0.1:8000", 32),
+                              Member("own", "http://10.0.0.2:8000", 16), Member("flagged", "http://10.0.0.3:8000", 8))
+    assert config.default_lanes == 5  # metrics.default_max_seqs, for members nobody declared
     assert config.interval_s == 0.5 and config.discover == (PortRange("h", 8000, 8002),)
+    assert telemetry_main.build_config(parser.parse_args(["--data-dir", str(tmp_path / "none")])).default_lanes == 3
 
 
 def _build(*flags: str) -> TelemetryConfig:
@@ -563,11 +594,17 @@ async def test_members_follow_the_pools_a_gateway_saves(nc: Client) -> None:
         url = await es.enter_async_context(serving(Engine("ninfer").app(), "127.0.0.1", 0))
         fleet = await es.enter_async_context(fleet_of(nc, {}))
         await fleet.telemetry.following_pools.wait()
-        raw = {"model_pools": {"m": {"members": [{"model_id": "m", "backend": url}]}}}
+        raw: dict[str, Any] = {"model_pools": {"m": {"members": [{"model_id": "m", "backend": url, "max_seqs": 6}]}},
+                               "metrics": {"default_max_seqs": 7}}
         await nc.publish(subjects.CONFIG_CHANGED, encode_json(ConfigChanged(gateway_id="gw", config=raw)))
         mid = pool_config.member_id_for(url)
         await _ready(fleet, mid)
         assert fleet.telemetry.members[mid].from_pools
+        # the saved file's declared lanes and default lanes apply too
+        assert (fleet.telemetry.members[mid].member.lanes, fleet.telemetry.default_lanes) == (6, 7)
+        raw["model_pools"]["m"]["members"][0]["max_seqs"] = 12
+        await nc.publish(subjects.CONFIG_CHANGED, encode_json(ConfigChanged(gateway_id="gw", config=raw)))
+        await wait_for(lambda: fleet.telemetry.members[mid].member.lanes == 12)
         await nc.publish(subjects.CONFIG_CHANGED, encode_json(ConfigChanged(gateway_id="gw", config={})))
         await wait_for(lambda: mid not in fleet.telemetry.members)
         await nc.publish(subjects.CONFIG_CHANGED, b"garbage")  # ignored with a warning, nothing breaks

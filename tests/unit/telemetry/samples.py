@@ -16,7 +16,8 @@ def prom_label(value: str) -> str:
 MESSY_MODEL_NAME = 'acme/"fast", {8B} \\ fp8'
 
 # vLLM v1 (prometheus_client exposition: counters declared as *_total with a *_created gauge beside them,
-# labelled by model_name and engine; real ones have dozens of buckets per histogram), plus what other
+# labelled by model_name and engine; real ones have dozens of buckets per histogram; cache_config_info carries
+# the CacheConfig's fields and no max_num_seqs, vllm/v1/metrics/loggers.py log_metrics_info), plus what other
 # exporters in the same process write: free comments and blank lines, a timestamp, and one counter in the
 # OpenMetrics style (TYPE names it without _total, its samples carry _total and _created). The
 # backslash-newlines only keep the source short: the string holds one line per sample.
@@ -24,6 +25,9 @@ _VLLM_TEMPLATE = '''# A free comment, not a declaration: "quotes", {braces}, a \
 # HELP python_gc_objects_collected_total Objects collected during gc
 # TYPE python_gc_objects_collected_total counter
 python_gc_objects_collected_total{generation="0"} 1234.0
+# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
+# TYPE process_start_time_seconds gauge
+process_start_time_seconds @START@
 
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -49,7 +53,10 @@ vllm:num_preemptions_total{engine="0",model_name="@MODEL@"} 7.0
 vllm:num_preemptions_created{engine="0",model_name="@MODEL@"} 1.7e+09
 # HELP vllm:prompt_tokens_total Number of prefill tokens processed.
 # TYPE vllm:prompt_tokens_total counter
-vllm:prompt_tokens_total{engine="0",model_name="@MODEL@"} 5000.0
+vllm:prompt_tokens_total{engine="0",model_name="@MODEL@"} @PROMPT@
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="@MODEL@"} 700.0
 
 # HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
@@ -60,16 +67,21 @@ vllm:time_to_first_token_seconds_count{engine="0",model_name="@MODEL@"} 10.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="@MODEL@"} 0.75
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",\
-gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="2000",num_gpu_blocks_override="None",\
+vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",cpu_offload_gb="0",\
+enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",is_attention_free="False",\
+num_cpu_blocks="None",num_gpu_blocks="2000",num_gpu_blocks_override="None",prefix_caching_hash_algo="builtin",\
 sliding_window="None",swap_space="4"} 1.0
 '''
 
 
-def vllm_metrics(*, model_name: str = "Qwen/Qwen3-8B", kv_usage: str = "0.4") -> str:
+def vllm_metrics(*, model_name: str = "Qwen/Qwen3-8B", kv_usage: str = "0.4", running: int = 3, waiting: int = 2,
+                 start_s: float = 1.7e9, prompt_tokens: float = 5000.0) -> str:
     '''A vLLM ``/metrics`` body; ``kv_usage`` is written as given (``"NaN"`` is what a gauge with no
-    value yet exports).'''
-    return _VLLM_TEMPLATE.replace("@MODEL@", prom_label(model_name)).replace("@KV@", kv_usage)
+    value yet exports); ``start_s`` is the process's ``process_start_time_seconds``.'''
+    return (_VLLM_TEMPLATE.replace("@MODEL@", prom_label(model_name)).replace("@KV@", kv_usage)
+            .replace("} 3.0\n# HELP vllm:num_requests_waiting", f"}} {running:.1f}\n# HELP vllm:num_requests_waiting")
+            .replace("} 2.0 1700000000000", f"}} {waiting:.1f} 1700000000000")
+            .replace("@START@", repr(start_s)).replace("@PROMPT@", repr(prompt_tokens)))
 
 
 VLLM_METRICS = vllm_metrics()
@@ -179,9 +191,12 @@ sglang:max_total_num_tokens{model_name="@MODEL@"} 40000.0
 '''
 
 
-def sglang_metrics(*, model_name: str = "meta-llama/Llama-3.1-8B-Instruct", token_usage: str = "0.15") -> str:
+def sglang_metrics(*, model_name: str = "meta-llama/Llama-3.1-8B-Instruct", token_usage: str = "0.15",
+                   running: int = 5, queued: int = 4) -> str:
     '''An SGLang ``/metrics`` body; ``token_usage`` (its KV occupancy) is written as given, ``"NaN"`` included.'''
-    return _SGLANG_TEMPLATE.replace("@MODEL@", prom_label(model_name)).replace("@KV@", token_usage)
+    return (_SGLANG_TEMPLATE.replace("@MODEL@", prom_label(model_name)).replace("@KV@", token_usage)
+            .replace('"} 5.0\n# HELP sglang:num_used_tokens', f'"}} {running:.1f}\n# HELP sglang:num_used_tokens')
+            .replace('"} 4.0\n# HELP sglang:cache_hit_rate', f'"}} {queued:.1f}\n# HELP sglang:cache_hit_rate'))
 
 
 SGLANG_METRICS = sglang_metrics()
@@ -228,4 +243,50 @@ def ninfer_usage(daily_wh: dict[str, float | None] | None = None, running: int =
         "health": {"kv_pressure_spills": spills, "sessions_evicted": evicted, "kv_pages_occupied": 123},
         "energy": {"rate_usd_per_kwh": 0.125, "today": today, "rolling_30d": rolling_30d, "daily": daily,
                    "note": "NVML energy counter"},
+    }
+
+
+# llama.cpp (tools/server): GET /props — every build answers it, --no-slots only switches /slots off
+# (501 not_supported_error); /metrics answers the same way without --metrics.
+def llamacpp_props(total_slots: int = 4, n_ctx: int = 8192, *, alias: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": n_ctx, "speculative": False,
+                                        "is_processing": False,
+                                        "params": {"n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95,
+                                                   "samplers": ["top_k", "top_p", "min_p", "temperature"]},
+                                        "prompt": "", "next_token": {"has_next_token": True, "n_remain": -1}},
+        "total_slots": total_slots,
+        "model_path": "/models/qwen2.5-7b-instruct-q4_k_m.gguf",
+        "modalities": {"vision": False, "audio": False},
+        "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True,
+        "chat_template": "{% for message in messages %}...{% endfor %}",
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "build_info": "b6123-abcdef0",
+    }
+    if alias is not None:  # newer builds: --alias (model_alias)
+        body["model_alias"] = alias
+    return body
+
+
+LLAMACPP_SLOTS_OFF = {"error": {"code": 501, "message": "This server does not support slots endpoint. Start it with "
+                                                        "`--slots`", "type": "not_supported_error"}}
+LLAMACPP_METRICS_OFF = {"error": {"code": 501, "message": "This server does not support metrics endpoint. Start it "
+                                                          "with `--metrics`", "type": "not_supported_error"}}
+
+
+def sglang_server_info(*, max_running_per_dp: tuple[int, ...] = (48,), operator_max_running: int | None = None,
+                       max_total_num_tokens: int = 40000, context_length: int | None = None) -> dict[str, Any]:
+    """SGLang's ``GET /server_info`` (entrypoints/http_server.py): its ServerArgs as a dict, the scheduler's
+    start-up figures and one ``internal_states`` entry per data-parallel rank, merged into one object."""
+    args = {"model_path": "meta-llama/Llama-3.1-8B-Instruct", "tokenizer_path": "meta-llama/Llama-3.1-8B-Instruct",
+            "served_model_name": "meta-llama/Llama-3.1-8B-Instruct", "context_length": context_length,
+            "max_running_requests": operator_max_running, "max_queued_requests": None, "max_total_tokens": None,
+            "chunked_prefill_size": 8192, "max_prefill_tokens": 16384, "schedule_policy": "fcfs",
+            "mem_fraction_static": 0.88, "tp_size": 1, "dp_size": len(max_running_per_dp), "enable_metrics": True,
+            "host": "0.0.0.0", "port": 30000, "api_key": None}
+    return {
+        **args, "status": "ready", "max_total_num_tokens": max_total_num_tokens, "max_req_input_len": 32762,
+        "internal_states": [{**args, "last_gen_throughput": 312.5, "memory_usage": {
+            "weight": 15.1, "kvcache": 4.9, "token_capacity": max_total_num_tokens // len(max_running_per_dp),
+            "graph": 0.4}, "effective_max_running_requests_per_dp": n} for n in max_running_per_dp],
+        "version": "0.5.4",
     }

@@ -22,7 +22,8 @@ def test_ninfer_slots_and_usage_fill_lanes_queue_counters_throughput_and_energy(
         engine_kind="ninfer", model_id="qwen3.8-27b", lanes=8, running=2, waiting=1, kv_blocks_used=123,
         kv_spills_total=3, kv_evictions_total=1, admitted_total=42, prompt_tokens_queried_total=5000,
         prompt_tokens_hit_total=1500, prefill_tok_per_s=800.5, decode_tok_per_s=55.25,
-        energy_today_wh=23.5, energy_wh_total=100.0 + 23.5, energy_30d_wh=95.25)
+        energy_today_wh=23.5, energy_wh_total=100.0 + 23.5, energy_30d_wh=95.25,
+        signal_sources={"lanes": "/slots", "running": "/slots", "waiting": "/slots"})  # kv_usage unknown here
 
 
 def test_ninfer_without_usage_still_reads_its_slots_and_says_nothing_of_the_rest() -> None:
@@ -35,6 +36,7 @@ def test_our_engine_s_slots_carry_the_kv_page_total_so_kv_usage_is_used_over_tot
     slots = {**samples.ninfer_slots(), "kv_pages": {"main_occupied": 30, "backend_occupied": 0, "total": 120}}
     r = n.ninfer_reading(slots, None)
     assert r.kv_blocks_total == 120 and r.kv_usage == 30 / 120
+    assert r.signal_sources["kv_usage"] == "/slots"
 
 
 def test_energy_is_none_when_no_day_was_measured_never_zero() -> None:
@@ -86,27 +88,36 @@ def test_vllm_metrics_map_running_waiting_kv_usage_prefix_cache_and_blocks() -> 
         engine_kind="vllm", model_id="Qwen/Qwen3-8B", lanes=None, running=3, waiting=2, max_context=32768,
         kv_usage=0.4, kv_blocks_used=round(0.4 * 2000), kv_blocks_total=2000, kv_capacity_tokens=2000 * 16,
         preemptions_total=7,
-        prompt_tokens_queried_total=1000, prompt_tokens_hit_total=250)
+        prompt_tokens_queried_total=1000, prompt_tokens_hit_total=250,
+        process_start_s=1.7e9, tokens_processed_total=5000 + 700,  # restart markers (lanes.py)
+        signal_sources={"running": "/metrics", "waiting": "/metrics", "kv_usage": "/metrics",
+                        "kv_capacity_tokens": "cache_config_info", "max_context": "/v1/models"})
 
 
-def test_an_operator_declared_max_num_seqs_gives_vllm_its_lanes() -> None:
-    r = n.vllm_reading(_metrics(samples.VLLM_METRICS), n.ModelsInfo(), lanes=256)
-    assert r.lanes == 256
+def test_upstream_vllm_exports_no_max_num_seqs_so_its_lanes_are_left_to_the_lane_rules() -> None:
+    text = samples.VLLM_METRICS
+    assert "vllm:cache_config_info{" in text and "max_num_seqs" not in text  # as vLLM's CacheConfig
+    r = n.vllm_reading(_metrics(text), n.ModelsInfo())
+    assert r.lanes is None and "lanes" not in r.signal_sources
 
 
 def test_older_vllm_names_gpu_cache_usage_and_gpu_prefix_cache_and_max_num_seqs_label_are_read() -> None:
-    r = n.vllm_reading(_metrics(samples.VLLM_OLD_METRICS), n.ModelsInfo(("llama",)), lanes=999)
+    r = n.vllm_reading(_metrics(samples.VLLM_OLD_METRICS), n.ModelsInfo(("llama",)))
     assert (r.running, r.waiting, r.kv_usage) == (1, 0, 0.05)
     assert (r.prompt_tokens_queried_total, r.prompt_tokens_hit_total) == (40, 10)
-    assert r.lanes == 128  # the engine's own figure wins over the operator's
+    assert r.lanes == 128 and r.signal_sources["lanes"] == "cache_config_info"
+    assert r.process_start_s is None and r.tokens_processed_total is None  # multiprocess mode: no process_*
     assert (r.kv_blocks_total, r.kv_blocks_used) == (1000, round(0.05 * 1000))
 
 
 def test_vllm_running_is_summed_and_kv_usage_averaged_over_data_parallel_engines() -> None:
     text = ('vllm:num_requests_running{engine="0"} 2\nvllm:num_requests_running{engine="1"} 3\n'
-            'vllm:kv_cache_usage_perc{engine="0"} 0.2\nvllm:kv_cache_usage_perc{engine="1"} 0.4\n')
+            'vllm:kv_cache_usage_perc{engine="0"} 0.2\nvllm:kv_cache_usage_perc{engine="1"} 0.4\n'
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
+            'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0\n')
     r = n.vllm_reading(_metrics(text), n.ModelsInfo())
     assert r.running == 2 + 3 and r.kv_usage == pytest.approx((0.2 + 0.4) / 2) and r.waiting is None
+    assert r.kv_capacity_tokens == (1000 + 1000) * 16  # each engine has its own KV cache
 
 
 def test_metrics_without_vllm_running_are_not_a_vllm_reading() -> None:
@@ -119,7 +130,8 @@ def test_llamacpp_slots_in_both_shapes_give_lanes_and_running(old: bool) -> None
     slots = samples.llamacpp_slots([True, False, True, False], old=old)
     r = n.llamacpp_reading(slots, None, n.models_info(samples.LLAMACPP_MODELS))
     assert r == n.Reading(engine_kind="llamacpp", model_id="qwen2.5-7b-q4_k_m.gguf", lanes=4, running=2,
-                          max_context=4096)
+                          max_context=4096,
+                          signal_sources={"lanes": "/slots", "running": "/slots", "max_context": "/slots"})
 
 
 def test_llamacpp_metrics_add_queue_kv_tokens_and_throughput() -> None:
@@ -133,6 +145,41 @@ def test_llamacpp_metrics_add_queue_kv_tokens_and_throughput() -> None:
 def test_llamacpp_with_metrics_but_no_slots_reads_running_from_requests_processing() -> None:
     r = n.llamacpp_reading(None, _metrics(samples.LLAMACPP_METRICS), n.ModelsInfo())
     assert (r.lanes, r.running, r.waiting) == (None, 1, 2)
+    assert r.tokens_processed_total == 900 + 300  # prompt_tokens_total + tokens_predicted_total
+
+
+def test_a_no_slots_llamacpp_takes_its_lanes_and_context_from_props_and_its_load_from_metrics() -> None:
+    props = n.llamacpp_props(samples.llamacpp_props(total_slots=4, n_ctx=8192))
+    assert props == n.EngineInfo(source="/props", lanes=4, max_context=8192,
+                                 model_id="qwen2.5-7b-instruct-q4_k_m.gguf")  # the file name of model_path
+    r = n.llamacpp_reading(None, _metrics(samples.LLAMACPP_METRICS), n.ModelsInfo(), props)
+    assert (r.lanes, r.running, r.waiting, r.max_context) == (4, 1, 2, 8192)
+    assert r.signal_sources == {"lanes": "/props", "running": "/metrics", "waiting": "/metrics",
+                                "kv_usage": "/metrics", "max_context": "/props"}
+    assert r.model_id == "qwen2.5-7b-instruct-q4_k_m.gguf"
+
+
+def test_a_llamacpp_answering_only_props_has_lanes_and_no_running() -> None:
+    props = n.llamacpp_props(samples.llamacpp_props(total_slots=2, alias="qwen-7b"))
+    r = n.llamacpp_reading(None, None, n.models_info(samples.LLAMACPP_MODELS), props)
+    assert (r.lanes, r.running, r.waiting) == (2, None, None)
+    assert r.signal_sources == {"lanes": "/props", "max_context": "/props"}
+    assert r.model_id == "qwen2.5-7b-q4_k_m.gguf" and props.model_id == "qwen-7b"  # /v1/models first, then alias
+
+
+def test_the_slots_array_wins_over_props_for_lanes_and_context() -> None:
+    props = n.llamacpp_props(samples.llamacpp_props(total_slots=8, n_ctx=1024))
+    r = n.llamacpp_reading(samples.llamacpp_slots([True, False]), None, n.ModelsInfo(), props)
+    assert (r.lanes, r.running, r.max_context) == (2, 1, 4096) and r.signal_sources["lanes"] == "/slots"
+
+
+@pytest.mark.parametrize("body", [samples.LLAMACPP_SLOTS_OFF, {}, [], {"total_slots": 0,
+                                  "default_generation_settings": {}}, {"total_slots": 4},
+                                  samples.sglang_server_info()])
+def test_what_is_not_llamacpp_props_is_not_read_as_props(body: object) -> None:
+    assert not n.is_llamacpp_props(body)
+    with pytest.raises(n.MalformedBody):
+        n.llamacpp_props(body)
 
 
 def test_llamacpp_slots_that_are_not_an_array_are_rejected() -> None:
@@ -144,7 +191,41 @@ def test_sglang_metrics_map_running_queue_token_usage_and_throughput() -> None:
     r = n.sglang_reading(_metrics(samples.SGLANG_METRICS), n.ModelsInfo())
     assert r == n.Reading(engine_kind="sglang", model_id="meta-llama/Llama-3.1-8B-Instruct", running=5, waiting=4,
                           kv_usage=0.15, kv_blocks_used=6000, kv_blocks_total=40000, kv_capacity_tokens=40000,
-                          decode_tok_per_s=312.5)
+                          decode_tok_per_s=312.5, tokens_processed_total=12345,
+                          signal_sources={"running": "/metrics", "waiting": "/metrics", "kv_usage": "/metrics",
+                                          "kv_capacity_tokens": "/metrics"})
+
+
+def test_sglang_server_info_gives_lanes_per_data_parallel_rank_kv_capacity_and_context() -> None:
+    info = n.sglang_server_info(samples.sglang_server_info(max_running_per_dp=(32, 16), context_length=8192),
+                                "/server_info")
+    assert info == n.EngineInfo(source="/server_info", lanes=32 + 16, max_context=8192, kv_capacity_tokens=40000,
+                                model_id="meta-llama/Llama-3.1-8B-Instruct")
+    metrics = samples.SGLANG_METRICS.replace("sglang:max_total_num_tokens{", "sglang:other{")  # a build without it
+    r = n.sglang_reading(_metrics(metrics), n.ModelsInfo(), info)
+    assert (r.lanes, r.kv_capacity_tokens, r.max_context) == (48, 40000, 8192)
+    assert {k: r.signal_sources[k] for k in ("lanes", "kv_capacity_tokens", "max_context", "running")} == {
+        "lanes": "/server_info", "kv_capacity_tokens": "/server_info", "max_context": "/server_info",
+        "running": "/metrics"}
+
+
+def test_sglang_server_info_without_internal_states_falls_back_to_the_operator_s_max_running_requests() -> None:
+    body = {k: v for k, v in samples.sglang_server_info(operator_max_running=64).items() if k != "internal_states"}
+    info = n.sglang_server_info(body, "/get_server_info")
+    assert (info.lanes, info.source, info.max_context) == (64, "/get_server_info", None)  # context_length unset
+    unset = {k: v for k, v in samples.sglang_server_info().items() if k != "internal_states"}
+    assert n.sglang_server_info(unset, "/server_info").lanes is None
+    with pytest.raises(n.MalformedBody):
+        n.sglang_server_info(["not", "an", "object"], "/server_info")
+
+
+def test_an_older_sglang_s_max_running_requests_metric_wins_over_its_server_info() -> None:
+    metrics = samples.SGLANG_METRICS + ("# HELP sglang:max_running_requests Maximum running requests\n"
+                                        "# TYPE sglang:max_running_requests gauge\n"
+                                        'sglang:max_running_requests{model_name="m"} 16.0\n')
+    info = n.sglang_server_info(samples.sglang_server_info(max_running_per_dp=(48,)), "/server_info")
+    r = n.sglang_reading(_metrics(metrics), n.ModelsInfo(), info)
+    assert (r.lanes, r.signal_sources["lanes"]) == (16, "/metrics")
 
 
 def test_a_nan_kv_gauge_and_an_escaped_model_name_read_as_unknown_and_as_written() -> None:

@@ -41,3 +41,14 @@ def test_the_floor_and_the_default_are_those_of_the_issue_and_the_pools_file() -
 
     assert schedule.MIN_INTERVAL_S == 0.1
     assert schedule.DEFAULT_INTERVAL_S == MetricsConfig().poll_interval
+
+
+@pytest.mark.parametrize(("timeout_s", "interval_s", "expected"), [
+    (2.0, 1.0, 1.0),  # the default poll: a request gets at most one interval
+    (2.0, 5.0, 2.0),  # a slow poll: --timeout
+    (2.0, 0.1, schedule.MIN_REQUEST_TIMEOUT_S),  # a 100 ms poll: never under 250 ms
+    (0.1, 0.1, 0.1),  # an operator's shorter --timeout is kept
+])
+def test_each_request_s_deadline_is_the_timeout_bounded_by_the_interval(timeout_s: float, interval_s: float,
+                                                                        expected: float) -> None:
+    assert schedule.request_timeout_s(timeout_s, interval_s) == expected

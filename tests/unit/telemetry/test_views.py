@@ -43,3 +43,21 @@ def test_histograms_and_labels_added_out_of_order_render_grouped() -> None:
     families = {f.name: f for f in text_string_to_metric_families(m.render())}
     assert families["g"].type == "gauge" and len(families["g"].samples) == 2
     assert families["h"].type == "histogram" and {s.labels["x"] for s in families["h"].samples} == {"1", "2"}
+
+
+def test_telemetry_s_metrics_and_members_say_where_each_figure_came_from_and_count_retries() -> None:
+    from services.telemetry.views import members_body
+
+    hb = SlotHeartbeat(worker_id="v", session_id="s", seq=1, ts_s=0.0, model_id="m", engine_kind="vllm", lanes=3,
+                       running=1, waiting=0, kv_usage=0.2,
+                       signal_sources={"lanes": "default", "running": "/metrics", "waiting": "/metrics"})
+    row = MemberStatus(member_id="v", url="http://v", engine_kind="vllm", is_up=True, heartbeat=hb, previous=None,
+                       last_ok_s=99.0, scrapes_total=4, failures_total=0, retries_total=2)
+    values = {(s.name, s.labels.get("field"), s.labels.get("source")): s.value
+              for f in text_string_to_metric_families(metrics_text([row], 100.0)) for s in f.samples
+              if s.labels.get("member") == "v"}
+    assert values[("llmgw_telemetry_member_signal_source", "lanes", "default")] == 1
+    assert values[("llmgw_telemetry_member_signal_source", "running", "/metrics")] == 1
+    assert values[("llmgw_telemetry_request_retries_total", None, None)] == 2
+    (member,) = members_body([row], 100.0)["members"]
+    assert (member["lanes"], member["signal_sources"]["lanes"], member["retries_total"]) == (3, "default", 2)
