@@ -79,3 +79,55 @@ async def test_an_edited_pools_file_is_announced_on_the_bus_once(nc, tmp_path: P
         await nc.flush()
         assert len(heard) == 1
     await sub.unsubscribe()
+
+
+async def test_a_pools_file_broken_at_restart_keeps_the_gateway_up_on_the_last_good_config(nc, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue #25: a corrupt pools.json at restart crash-looped the gateway and stopped the whole stack."""
+    import aiohttp
+
+    from services.common.http import serving
+
+    path = tmp_path / "pools.json"
+    pool_file(path, "first", 1_000_000)
+    first = GatewayService(nc, GatewayConfig(gateway_id="gw", port=0, data_dir=tmp_path, config_path=path,
+                                             config_poll_s=0.05))
+    assert pools.model_names(first.pools_file.file_config, first.fleet) == ["first"]
+    assert (tmp_path / "pools.last-good.json").exists()  # kept at the load
+    first.identity.close()
+    path.write_text('{"model_pools": {"first": {"members": [ {"model_id": "x"')  # cut mid-write by an editor
+    os.utime(path, (1_000_100, 1_000_100))
+    again = GatewayService(nc, GatewayConfig(gateway_id="gw", port=0, data_dir=tmp_path, config_path=path,
+                                             config_poll_s=0.05))
+    assert pools.model_names(again.pools_file.file_config, again.fleet) == ["first"]  # the last good one
+    assert again.pools_file.problem is not None and "not valid JSON" in str(again.pools_file.problem)
+    async with again.running(), serving(again.app(), "127.0.0.1", 0) as url, aiohttp.ClientSession() as http:
+        async with http.get(url + "/health") as r:
+            assert "not valid JSON" in (await r.json())["config_error"]
+        pool_file(path, "fixed", 1_000_200)  # fixed on disk: taken, and the problem is gone
+        await wait_for(lambda: pools.model_names(again.pools_file.file_config, again.fleet) == ["fixed"], 5)
+        assert again.pools_file.problem is None
+        async with http.get(url + "/health") as r:
+            assert (await r.json())["config_error"] is None
+
+
+async def test_a_save_to_a_read_only_pools_file_says_so_and_changes_nothing(nc, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue #25: the compose layout mounts the config read-only, and a save answered a raw JSON 500. The
+    mount is faked at the write (these tests run as root, which ignores file modes)."""
+    import errno
+
+    from services.gateway import pools_file
+
+    path = tmp_path / "pools.json"
+    pool_file(path, "first", 1_000_000)
+    gateway = GatewayService(nc, GatewayConfig(gateway_id="gw", port=0, data_dir=tmp_path, config_path=path),
+                             pool_config.load(path))
+
+    def read_only(target: Path, text: str) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(target))
+    monkeypatch.setattr(pools_file, "atomic_write_text", read_only)
+    raw = pool_config.to_dict(gateway.pools_file.file_config)
+    raw["model_pools"]["second"] = raw["model_pools"].pop("first")
+    problem = await gateway.pools_file.apply_config(raw)
+    assert problem is not None and "Read-only file system" in problem.reason and "read-only" in problem.reason
+    assert problem.key == "config"
+    assert pools.model_names(gateway.pools_file.file_config, gateway.fleet) == ["first"]  # nothing changed

@@ -171,3 +171,16 @@ def test_a_hostile_config_changed_message_is_a_config_error(data: bytes) -> None
 def test_a_config_changed_message_round_trips() -> None:
     change = read_change_message(change_message("gw-1", GOOD))
     assert (change.gateway_id, change.raw, change.config) == ("gw-1", GOOD, parse(GOOD))
+
+
+@pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_refused_for_every_numeric_knob_naming_it(text: str) -> None:
+    """Issue #25: json.loads reads NaN/Infinity, and an unbounded knob (a price, a capacity weight) took them."""
+    for where, raw in (("price_book.m.prompt_usd_per_m", '{"price_book": {"m": {"prompt_usd_per_m": %s}}}'),
+                       ("model_pools.p.members[0].capacity_weight",
+                        '{"model_pools": {"p": {"members": [{"model_id": "m", "backend": "http://h:1", '
+                        '"capacity_weight": %s}]}}}'),
+                       ("metrics.poll_interval", '{"metrics": {"poll_interval": %s}}')):
+        with pytest.raises(ConfigError) as info:
+            parse(json.loads(raw % text))
+        assert info.value.key == where and "finite" in info.value.reason
