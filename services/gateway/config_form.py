@@ -80,12 +80,16 @@ def _member(form: dict[str, str], prefix: str, path: str, result: FormResult) ->
     return member
 
 
-def _keep_credentials(members: list[dict[str, Any]], before: list[dict[str, Any]]) -> None:
-    """The page neither shows nor edits a member's key: a member whose backend was in the pool keeps its
-    ``api_key_env`` / ``api_key`` (the secret never travels through the browser)."""
+# A member's keys the page neither shows nor edits: kept for a member whose backend was in the pool. The
+# credentials so that the secret never travels through the browser; max_seqs (a vLLM member's lanes) so that a
+# save does not drop it.
+_UNSHOWN_MEMBER_KEYS = ("api_key_env", "api_key", "max_seqs")
+
+
+def _keep_unshown(members: list[dict[str, Any]], before: list[dict[str, Any]]) -> None:
     for member in members:
         old = next((m for m in before if m.get("backend") == member["backend"]), None)
-        for key in ("api_key_env", "api_key"):
+        for key in _UNSHOWN_MEMBER_KEYS:
             if old is not None and key in old:
                 member[key] = old[key]
 
@@ -123,7 +127,7 @@ def from_form(form: dict[str, str], current: dict[str, Any]) -> FormResult:
         new = _member(form, f"{prefix}.member.new", f"{path}.members[{len(members)}]", result)
         if new is not None:
             members.append(new)
-        _keep_credentials(members, pool.get("members", []))
+        _keep_unshown(members, pool.get("members", []))
         pool["members"] = members
         pools[name] = pool
         i += 1

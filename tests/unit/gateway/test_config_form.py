@@ -80,3 +80,14 @@ def test_errors_land_on_the_field_that_caused_them() -> None:
     form["pool.0.member.0.capacity_weight"] = "lots"
     assert config_form.from_form(form, CURRENT).errors == {"pool.0.member.0.capacity_weight": "must be a number"}
 
+
+
+def test_a_save_keeps_what_the_page_does_not_show_max_seqs_and_upstream_knobs() -> None:
+    current = pool_config.to_dict(pool_config.parse({
+        "model_pools": {"v": {"members": [{"model_id": "v", "backend": "http://gpu1:8000", "max_seqs": 48}],
+                              "max_pool_share": 0.6}},
+        "metrics": {"default_max_seqs": 8, "backend_max_seqs": {"http://gpu1:8000": 40}},
+    }))
+    parsed = pool_config.parse(config_form.from_form(_form_of(current), current).raw)
+    assert parsed.pools["v"].members[0].max_seqs == 48 and parsed.pools["v"].max_pool_share == 0.6
+    assert parsed.metrics.default_max_seqs == 8 and parsed.metrics.backend_max_seqs == {"http://gpu1:8000": 40}
