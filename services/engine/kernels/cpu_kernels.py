@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -77,12 +78,24 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+def _compiler() -> str:
+    """The C++ compiler torch's builder will run (``$CXX``, else ``c++``) and its version line: a compiler
+    upgrade builds afresh instead of loading objects another compiler made."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return cxx
+    return f"{cxx} {out.splitlines()[0] if out else ''}"
+
+
 def _extension_name() -> str:
     # sys.prefix: one build folder per environment. torch writes the venv's include paths into the folder's
     # build.ninja, so two venvs sharing one folder (a checkout and its fresh clone, an upgrade beside the old
     # install) rebuild it in turn on every engine start, each build a minute or more on a busy machine.
+    # torch's version and the compiler's: either changing means a new build, in a folder of its own.
     digest = hashlib.sha256("\0".join([_SOURCE, " ".join(_CFLAGS), torch.__version__, _cpu_flags(),
-                                       sys.prefix]).encode())
+                                       sys.prefix, _compiler()]).encode())
     return f"ninfer_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
@@ -114,7 +127,11 @@ def _sole_builder(name: str) -> Iterator[None]:
         yield
         return
     with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another engine is building the CPU kernels in %s: waiting for it", folder)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         stale = folder / "lock"
         if stale.exists():
             log.warning("removed a stale build lock left by a killed engine (%s)", stale)
@@ -150,7 +167,8 @@ def fused_decode() -> FusedDecode | None:
             return None
         name = _extension_name()
         if not _is_built(name):
-            log.info("compiling the engine's CPU kernels (decoder, attention, norms), once per machine: ~30 s")
+            log.info("compiling the engine's CPU kernels (decoder, attention, norms), once per environment, torch "
+                     "version and compiler: ~30 s")
         _put_ninja_on_path()
         try:
             from torch.utils.cpp_extension import load_inline
