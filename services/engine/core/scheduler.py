@@ -210,7 +210,7 @@ class Scheduler:
 
         Raises InvalidParameterError (bad sampling params, empty prompt), ContextLengthExceededError
         (``prompt + max_tokens`` over ``max_context`` or over the KV cache), DuplicateRequestError,
-        QueueFullError (the waiting queue holds ``max_pending_requests``; preempted requests count).
+        QueueFullError (``max_pending_requests`` wait beyond the free lanes; preempted requests count).
         """
         params = request.sampling_params.validate()
         if request.num_prompt_tokens == 0:
@@ -224,10 +224,14 @@ class Scheduler:
             raise ContextLengthExceededError(num_prompt, params.max_tokens, self._kv_capacity_tokens + 1)
         if request.request_id in self._requests:
             raise DuplicateRequestError(request.request_id)
-        if len(self._waiting) >= self.config.max_pending_requests:
-            raise QueueFullError(
-                len(self._waiting), self.config.max_pending_requests, self.config.queue_full_retry_after_s
-            )
+        # A waiting request that a free lane will take at the next step is not pending: only those beyond the
+        # free lanes count against the bound, so max_concurrency + max_pending_requests arriving together are
+        # all accepted (issue #30: with 2 lanes + 2 pending, a burst of 12 was served 3 and refused 9 while
+        # lanes were free).
+        free_lanes = max(0, self.config.max_concurrency - len(self._running))
+        pending = max(0, len(self._waiting) - free_lanes)
+        if pending >= self.config.max_pending_requests:
+            raise QueueFullError(pending, self.config.max_pending_requests, self.config.queue_full_retry_after_s)
         request.status = RequestStatus.WAITING
         self._waiting.append(request)
         self._requests[request.request_id] = request

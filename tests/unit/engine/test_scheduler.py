@@ -112,15 +112,56 @@ def test_lanes_cap_the_number_of_running_requests() -> None:
 
 
 def test_a_full_pending_queue_refuses_with_retry_after() -> None:
-    sched = Scheduler(config(max_pending_requests=2, queue_full_retry_after_s=2.5))
-    sched.add_request(request("a"))
-    sched.add_request(request("b"))
+    sched = Scheduler(config(max_concurrency=4, max_pending_requests=2, queue_full_retry_after_s=2.5,
+                             max_num_batched_tokens=64))
+    for rid in "abcdef":  # 4 for the free lanes, 2 pending
+        sched.add_request(request(rid, first_token=100 + 10 * ord(rid)))
     with pytest.raises(QueueFullError) as exc:
-        sched.add_request(request("c"))
+        sched.add_request(request("g"))
     assert (exc.value.num_pending, exc.value.max_pending_requests, exc.value.retry_after_s) == (2, 2, 2.5)
-    step(sched)  # both admitted: the queue is empty again
-    sched.add_request(request("c"))
-    assert sched.stats().num_waiting == 1
+    step(sched)  # a-d admitted: e, f pending, still full
+    with pytest.raises(QueueFullError):
+        sched.add_request(request("g"))
+    assert sched.stats().num_waiting == 2
+
+
+@pytest.mark.parametrize(("lanes", "pending"), [(2, 2), (8, 64)])
+def test_a_burst_at_an_idle_engine_is_accepted_up_to_lanes_plus_pending(lanes: int, pending: int) -> None:
+    """Issue #30: the runbook's --max-concurrency 8 --max-pending-requests 64 must accept 72 requests arriving
+    together and refuse only the 73rd (with 2 + 2, a burst of 12 was served 3 and refused 9)."""
+    sched = Scheduler(config(max_concurrency=lanes, max_pending_requests=pending, num_blocks=1 + 4 * 80,
+                             max_num_batched_tokens=4 * 80))
+    accepted = refused = 0
+    for i in range(lanes + pending + 5):
+        try:
+            sched.add_request(request(f"r{i}", first_token=1000 + 10 * i))
+            accepted += 1
+        except QueueFullError:
+            refused += 1
+    assert (accepted, refused) == (lanes + pending, 5)
+    step(sched)
+    stats = sched.stats()
+    assert (stats.num_running, stats.num_waiting) == (lanes, pending)  # every lane taken by the burst
+
+
+def test_a_burst_at_a_full_engine_gets_only_the_pending_slots_and_finishing_requests_make_room() -> None:
+    sched = Scheduler(config(max_concurrency=2, max_pending_requests=2))
+    for rid in ("a", "b"):
+        sched.add_request(request(rid, max_tokens=3, first_token=100 + 10 * ord(rid)))
+    step(sched)  # both lanes busy
+    accepted = []
+    for i in range(5):
+        try:
+            sched.add_request(request(f"n{i}", first_token=2000 + 10 * i))
+            accepted.append(f"n{i}")
+        except QueueFullError:
+            pass
+    assert accepted == ["n0", "n1"]  # lanes full: only the pending bound
+    run = 0
+    while sched.stats().num_running == 2 and run < 20:  # a and b finish: their lanes free up
+        step(sched)
+        run += 1
+    sched.add_request(request("late", first_token=3000))  # a freed lane makes room again
 
 
 def test_prompt_plus_max_tokens_over_max_context_is_refused_with_its_numbers() -> None:
