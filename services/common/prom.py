@@ -114,6 +114,11 @@ class PromText:
             lines = self._families[name] = [f"# HELP {name} {escaped}", f"# TYPE {name} {kind}"]
         return lines
 
+    def declare(self, name: str, kind: str, help_text: str) -> None:
+        """Declare a family (HELP and TYPE) that may get no samples: a labelled counter nothing has counted
+        yet is still a known, typed name to scrapers and dashboards (prometheus_client does the same)."""
+        self._family(name, kind, help_text)
+
     def gauge(self, name: str, help_text: str, value: float | None, labels: Mapping[str, str] = {}) -> None:
         if value is None:  # unknown is absent, never a made-up 0
             return
