@@ -301,13 +301,13 @@ class GatewayService:
         ):
             for row in rows:
                 m.gauge(name, help_text, row[key], {"pool": row["pool"], "member": row["member_id"]})
-        for name, key, help_text in (
-            ("llmgw_member_down", "down", "1 while the gateway holds the member down (failed requests, a down "
-             "heartbeat)."),
-            ("llmgw_member_stale", "stale", "1 while the member's newest heartbeat is older than its stale limit."),
-        ):
-            for row in rows:
-                m.gauge(name, help_text, 1 if row[key] else 0, {"pool": row["pool"], "member": row["member_id"]})
+        for row in rows:
+            m.gauge("llmgw_member_down", "1 while the member is down: its heartbeat says so, or the gateway holds it "
+                    "down after a failed request.", 1 if row["down"] or row["state"] == "down" else 0,
+                    {"pool": row["pool"], "member": row["member_id"]})
+        for row in rows:
+            m.gauge("llmgw_member_stale", "1 while the member's newest heartbeat is older than its stale limit (or "
+                    "none came).", 1 if row["stale"] else 0, {"pool": row["pool"], "member": row["member_id"]})
         return web.Response(body=m.render().encode(), headers={"Content-Type": CONTENT_TYPE})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
