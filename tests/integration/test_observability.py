@@ -57,6 +57,36 @@ VLLM_ITERATION_TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192
 VLLM_N = [1, 2, 5, 10, 20]
 
 
+# The queries of the official vLLM Grafana dashboard (vllm-project/vllm
+# examples/online_serving/prometheus_grafana/grafana.json), one per distinct metric, as it writes them.
+VLLM_DASHBOARD = [
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket{model_name="$model_name"}'
+    '[$__rate_interval])))',
+    'rate(vllm:e2e_request_latency_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
+    'rate(vllm:e2e_request_latency_seconds_count{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:prompt_tokens_total{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:generation_tokens_total{model_name="$model_name"}[$__rate_interval])',
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:time_per_output_token_seconds_bucket{model_name="$model_name"}'
+    '[$__rate_interval])))',
+    'rate(vllm:time_per_output_token_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
+    'rate(vllm:time_per_output_token_seconds_count{model_name="$model_name"}[$__rate_interval])',
+    'vllm:num_requests_running{model_name="$model_name"}',
+    'vllm:num_requests_waiting{model_name="$model_name"}',
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket{model_name="$model_name"}'
+    '[$__rate_interval])))',
+    'rate(vllm:time_to_first_token_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
+    'rate(vllm:time_to_first_token_seconds_count{model_name="$model_name"}[$__rate_interval])',
+    'vllm:gpu_cache_usage_perc{model_name="$model_name"}',
+    'sum by(le) (increase(vllm:request_prompt_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',
+    'sum by(le) (increase(vllm:request_generation_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',
+    'sum by(finished_reason) (increase(vllm:request_success_total{model_name="$model_name"}[$__rate_interval]))',
+    'rate(vllm:request_queue_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_prefill_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_decode_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_max_num_generation_tokens_sum{model_name="$model_name"}[$__rate_interval])',
+]
+
+
 def dashboard_queries() -> list[tuple[str, str]]:
     """(where, query) for every panel target and template variable of every shipped dashboard."""
     found = []
@@ -185,6 +215,12 @@ async def test_the_engine_exports_vllm_s_metric_set_with_its_labels_buckets_and_
     assert decode > 0 and prefill > 0
     # the decode phase spans the gaps between tokens: their sum is that phase, to float rounding
     assert m.value("vllm:inter_token_latency_seconds_sum") == pytest.approx(decode, rel=1e-6)
+    # the official vLLM dashboard finds every series it reads, under our model name
+    for query in VLLM_DASHBOARD:
+        names = metric_names(query)
+        assert names and not missing_names(names, m.types, m.sample_names), query
+        for name in names:
+            assert m.samples(name, model_name="tiny"), (query, name)
     info = m.samples("vllm:cache_config_info")
     assert len(info) == 1 and {"block_size", "num_gpu_blocks", "max_num_seqs", "engine"} <= set(info[0].labels)
 
