@@ -307,11 +307,15 @@ def completion_body(
 
 
 def timings_body(t: Timings) -> dict[str, Any]:
-    """llama.cpp-style timings (milliseconds) as clients of llama.cpp and NInfer read them."""
+    """llama.cpp-style timings (milliseconds) as clients of llama.cpp and NInfer read them: llama.cpp's fields
+    (server's ``result_timings``), ``ttft`` (ms) and ``ttft_s`` (seconds: what the Go gateway reads)."""
     return {
         "prompt_n": t.prompt_n, "cache_n": t.cache_n, "predicted_n": t.predicted_n,
         "prompt_ms": t.prompt_ms, "predicted_ms": t.predicted_ms, "ttft": t.ttft_ms,
+        "ttft_s": t.ttft_ms / 1000.0 if t.ttft_ms is not None else None,
+        "prompt_per_token_ms": t.prompt_ms / t.prompt_n if t.prompt_n > 0 else None,
         "prompt_per_second": t.prompt_n / t.prompt_ms * 1000.0 if t.prompt_ms > 0 else None,
+        "predicted_per_token_ms": t.predicted_ms / t.predicted_n if t.predicted_n > 0 else None,
         "predicted_per_second": t.predicted_n / t.predicted_ms * 1000.0 if t.predicted_ms > 0 else None,
         "draft_n": t.draft_n, "draft_n_accepted": t.draft_n_accepted,  # speculative decoding (0: none)
     }

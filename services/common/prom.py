@@ -11,10 +11,31 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+# Histogram buckets as vLLM v1 declares them (vllm/v1/metrics/loggers.py, PrometheusStatLogger), so a dashboard
+# written for vLLM computes the same quantiles from our engine. Seconds unless the name says tokens.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                  20.0, 40.0, 80.0)
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# inter_token_latency_seconds, time_per_output_token_seconds, request_time_per_output_token_seconds
+INTER_TOKEN_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0)
+# e2e_request_latency_seconds and the request phase histograms (queue, inference, prefill, decode)
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                 480.0, 960.0)
+                 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50 ... up to ``max_value`` (vLLM's ``build_1_2_5_buckets``: its token-count
+    histograms' buckets, bounded by the model's context length)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(out)
+            out.append(mantissa * scale)
+        scale *= 10
 
 
 @dataclass
@@ -35,6 +56,20 @@ class Histogram:
             self.counts[i] += 1
         self.total += value
         self.count += 1
+
+    def up_to(self, max_bound: float) -> Histogram:
+        """The same observations with only the buckets at or below ``max_bound`` (exact: buckets are
+        cumulative, so dropping the upper ones moves their counts into +Inf and changes nothing else)."""
+        n = bisect.bisect_right(self.buckets, max_bound)
+        twin = Histogram(tuple(self.buckets[:n]), total=self.total, count=self.count)
+        twin.counts = list(self.counts[:n])
+        return twin
+
+    def copy(self) -> Histogram:
+        """An independent copy (a snapshot another thread may read while this one keeps counting)."""
+        twin = Histogram(self.buckets, total=self.total, count=self.count)
+        twin.counts = list(self.counts)
+        return twin
 
 
 def _escape(value: str) -> str:
@@ -78,6 +113,11 @@ class PromText:
             escaped = help_text.replace("\\", "\\\\").replace("\n", "\\n")  # the format's HELP escapes
             lines = self._families[name] = [f"# HELP {name} {escaped}", f"# TYPE {name} {kind}"]
         return lines
+
+    def declare(self, name: str, kind: str, help_text: str) -> None:
+        """Declare a family (HELP and TYPE) that may get no samples: a labelled counter nothing has counted
+        yet is still a known, typed name to scrapers and dashboards (prometheus_client does the same)."""
+        self._family(name, kind, help_text)
 
     def gauge(self, name: str, help_text: str, value: float | None, labels: Mapping[str, str] = {}) -> None:
         if value is None:  # unknown is absent, never a made-up 0

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.prom import INTER_TOKEN_BUCKETS_S, ITERATION_TOKENS_BUCKETS, Histogram
 from services.engine.config import EngineConfig
 from services.engine.core.request import Request
 from services.engine.core.sampling_params import SamplingParams
@@ -125,6 +126,10 @@ class EngineCore:
         self.eos_token_ids = self.tokenizer.stop_token_ids
         self._states: dict[str, _RequestState] = {}
         self._throughput = ThroughputWindow()
+        # vLLM's per-iteration histograms (vllm/v1/metrics/loggers.py): tokens per step, and per request the
+        # gap between consecutive emissions (one per step that gave it tokens, several with speculation)
+        self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
+        self.inter_token_latency = Histogram(INTER_TOKEN_BUCKETS_S)
         self.admitted_total = 0
         self.admitted_by_source: collections.Counter[str] = collections.Counter()
         self.prompt_tokens_total = 0
@@ -221,6 +226,7 @@ class EngineCore:
         t = now()
         updated = self.scheduler.update_from_output(plan, sampled, t)
         self._throughput.add(t, plan.num_prefill_tokens, plan.num_decode_tokens)
+        self.iteration_tokens.observe(plan.num_prefill_tokens + plan.num_decode_tokens)
         outputs = []
         for request in updated:
             rid = request.request_id
@@ -273,6 +279,7 @@ class EngineCore:
         updated = self.scheduler.update_from_output(plan, sampled, t, accepted)
         num_extra = sum(len(run) - 1 for run in accepted.values())
         self._throughput.add(t, plan.num_prefill_tokens, plan.num_decode_tokens + num_extra)
+        self.iteration_tokens.observe(plan.num_prefill_tokens + plan.num_decode_tokens + num_extra)
         outputs = []
         for request in updated:
             rid = request.request_id
@@ -319,6 +326,11 @@ class EngineCore:
         the request on a stop string, flush its text when it finished, and count the tokens."""
         state = self._states[request.request_id]
         self.output_tokens_total += len(tokens)
+        if tokens:
+            # the first emission is the time to first token; each later one is a gap (vLLM's inter-token latency)
+            if request.last_token_s is not None:
+                self.inter_token_latency.observe(now - request.last_token_s)
+            request.last_token_s = now
         if is_stopped and not request.is_finished:
             self.scheduler.finish_request(request.request_id, "stop", now)
         if request.is_finished:
@@ -347,7 +359,7 @@ class EngineCore:
             num_cached_tokens=request.num_cached_prompt_tokens or 0,
             num_output_tokens=request.num_output_tokens, timings=timings,
             num_draft_tokens=request.num_draft_tokens, num_accepted_draft_tokens=request.num_accepted_draft_tokens,
-            logprobs=logprobs,
+            logprobs=logprobs, max_tokens=request.sampling_params.max_tokens,
         )
 
     # ---- telemetry ---------------------------------------------------------------------------------
@@ -361,6 +373,7 @@ class EngineCore:
             admitted_by_source=dict(self.admitted_by_source), prompt_tokens_total=self.prompt_tokens_total,
             output_tokens_total=self.output_tokens_total, prefill_tok_per_s=prefill, decode_tok_per_s=decode,
             spec=self.speculator.counters.snapshot() if self.speculator is not None else None,
+            iteration_tokens=self.iteration_tokens.copy(), inter_token_latency=self.inter_token_latency.copy(),
         )
 
     def describe(self) -> str:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from services.common.prom import Histogram
     from services.engine.core.scheduler import SchedulerStats
     from services.engine.model.sampler import TokenLogprobs
     from services.engine.spec.spec_decode import SpecDecodeStats
@@ -13,7 +14,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class RequestTimings:
-    """Milliseconds, measured on the engine's monotonic clock."""
+    """Milliseconds, measured on the engine's monotonic clock, in vLLM's phases: ``queue_ms`` arrival to
+    first scheduled (WAITING), ``prompt_ms`` first scheduled to first token (PREFILL), ``predicted_ms`` first
+    token to the last (DECODE); the three add up to the request's time in the engine (e2e)."""
 
     queue_ms: float
     prompt_ms: float
@@ -38,6 +41,8 @@ class RequestOutput:
     num_accepted_draft_tokens: int = 0
     # One entry per token in ``token_ids`` when the request asked for logprobs, else None.
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    # The request's max_tokens sampling parameter (vllm:request_params_max_tokens); 0 where not known.
+    max_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -60,3 +65,8 @@ class EngineSnapshot:
     prefill_tok_per_s: float
     decode_tok_per_s: float
     spec: SpecDecodeStats | None = None  # None when the engine does not speculate
+    # Per step and per emission, since start (copies): tokens each step computed (vllm:iteration_tokens_total)
+    # and the gaps between a request's consecutive token emissions (vllm:inter_token_latency_seconds).
+    # None from a core that does not count them.
+    iteration_tokens: Histogram | None = None
+    inter_token_latency: Histogram | None = None

@@ -28,7 +28,7 @@ from nats.aio.client import Client
 from proto import TokenChunk
 from services.common import openai_api, openai_stream
 from services.common.http import HTTPError
-from services.common.prom import E2E_BUCKETS_S, Histogram
+from services.common.prom import E2E_BUCKETS_S, TTFT_BUCKETS_S, Histogram, PromText
 from services.common.runtime import ThrottledLog
 from services.gateway import bus_backend, pools, routing, routing_adapter
 from services.gateway.breaker import FailureKind
@@ -66,19 +66,101 @@ class Outcome:
     # the answer is still being accounted after the handler ended (an abort report, an abandoned read):
     # the usage record is written when this finishes
     settling: asyncio.Future[Any] | None = None
+    api_key_id: str | None = None  # the client's key (its id, never the secret); None without auth
 
 
 @dataclass
 class GatewayMetrics:
+    """What ``/metrics`` reports, counted since start. The ``requests``/``latency``/``decisions``/``failovers``
+    families predate the per-model series; :meth:`observe` fills both from each finished request.
+
+    Labels of the per-model series: ``model`` (the pool the client asked for), ``member`` and ``api_key_id``
+    (the key's id, never the secret or any user text): bounded by the pools and keys an operator configures.
+    The TTFT histogram leaves the key out (each label set costs a series per bucket)."""
+
     requests: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
     decisions: collections.Counter[str] = field(default_factory=collections.Counter)
     failovers: collections.Counter[str] = field(default_factory=collections.Counter)
     latency: dict[str, Histogram] = field(default_factory=dict)
     affinity_hits: int = 0
+    # (model, member, api_key_id, status)
+    model_requests: collections.Counter[tuple[str, str, str, str]] = field(default_factory=collections.Counter)
+    # (model, member, api_key_id, type) with type prompt | completion | cached
+    tokens: collections.Counter[tuple[str, str, str, str]] = field(default_factory=collections.Counter)
+    # (model, member, api_key_id, code, http_status): requests answered with an error
+    errors: collections.Counter[tuple[str, str, str, str, str]] = field(default_factory=collections.Counter)
+    # (model, member, reason): the routing decision that placed each request ("failover:<reason>" after one)
+    routed: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
+    # (model, member): time to the first token the client got, in seconds
+    ttft: dict[tuple[str, str], Histogram] = field(default_factory=dict)
 
     def observe(self, outcome: Outcome, latency_s: float) -> None:
         self.requests[(outcome.pool or "-", outcome.member_id or "-", outcome.status)] += 1
         self.latency.setdefault(outcome.pool or "-", Histogram(E2E_BUCKETS_S)).observe(latency_s)
+        model, member, key = outcome.pool or "-", outcome.member_id or "-", outcome.api_key_id or "-"
+        self.model_requests[(model, member, key, outcome.status)] += 1
+        usage, _ = outcome.meter.result()
+        for kind, n in (("prompt", usage.prompt_tokens), ("completion", usage.completion_tokens),
+                        ("cached", usage.cached_tokens)):
+            if n:
+                self.tokens[(model, member, key, kind)] += n
+        if outcome.status == "error":
+            self.errors[(model, member, key, outcome.error_code or "none", str(outcome.http_status))] += 1
+        if outcome.routing_reason:
+            self.routed[(model, member, outcome.routing_reason)] += 1
+        if outcome.ttft_ms is not None:
+            self.ttft.setdefault((model, member), Histogram(TTFT_BUCKETS_S)).observe(outcome.ttft_ms / 1000.0)
+
+    def write(self, m: PromText) -> None:
+        """Every family this counts, into ``m``: declared even before its first sample."""
+        for name, (kind, help_text) in _FAMILIES.items():
+            m.declare(name, kind, help_text)
+
+        def add(name: str, value: float, labels: dict[str, str]) -> None:
+            m.counter(name, _FAMILIES[name][1], value, labels)
+
+        for (pool, member, status), n in sorted(self.requests.items()):
+            add("llmgw_requests_total", n, {"pool": pool, "member": member, "status": status})
+        for pool, hist in sorted(self.latency.items()):
+            m.histogram("llmgw_request_latency_seconds", _FAMILIES["llmgw_request_latency_seconds"][1], hist,
+                        {"pool": pool})
+        for reason, n in sorted(self.decisions.items()):
+            add("llmgw_routing_decisions_total", n, {"reason": reason})
+        for member, n in sorted(self.failovers.items()):
+            add("llmgw_failovers_total", n, {"member": member})
+        add("llmgw_affinity_hits_total", self.affinity_hits, {})
+        for (model, member, key, status), n in sorted(self.model_requests.items()):
+            add("llmgw_model_requests_total", n,
+                {"model": model, "member": member, "api_key_id": key, "status": status})
+        for (model, member, key, kind), n in sorted(self.tokens.items()):
+            add("llmgw_tokens_total", n, {"model": model, "member": member, "api_key_id": key, "type": kind})
+        for (model, member, key, code, http_status), n in sorted(self.errors.items()):
+            add("llmgw_errors_total", n,
+                {"model": model, "member": member, "api_key_id": key, "code": code, "http_status": http_status})
+        for (model, member, reason), n in sorted(self.routed.items()):
+            add("llmgw_routed_requests_total", n, {"model": model, "member": member, "reason": reason})
+        for (model, member), hist in sorted(self.ttft.items()):
+            m.histogram("llmgw_time_to_first_token_seconds", _FAMILIES["llmgw_time_to_first_token_seconds"][1], hist,
+                        {"model": model, "member": member})
+
+
+# GatewayMetrics' families in /metrics: name -> (type, help).
+_FAMILIES: dict[str, tuple[str, str]] = {
+    "llmgw_requests_total": ("counter", "Requests by pool, member and outcome."),
+    "llmgw_request_latency_seconds": ("histogram", "Request latency at the gateway."),
+    "llmgw_routing_decisions_total": ("counter", "Routing decisions by reason."),
+    "llmgw_failovers_total": ("counter", "Members skipped after a failure."),
+    "llmgw_affinity_hits_total": ("counter", "Requests routed by cache affinity."),
+    "llmgw_model_requests_total": ("counter", "Requests by model (pool), member, API key id and outcome."),
+    "llmgw_tokens_total": ("counter", "Tokens by model (pool), member, API key id and type (prompt, completion, "
+                           "cached: the part of the prompt served from the member's prefix cache)."),
+    "llmgw_errors_total": ("counter", "Requests answered with an error, by model, member, API key id, error code "
+                           "and HTTP status."),
+    "llmgw_routed_requests_total": ("counter", "Requests placed on a member, by model, member and routing reason "
+                                    "(failover:<reason> after a failover)."),
+    "llmgw_time_to_first_token_seconds": ("histogram", "Time to the first token the client received, by model "
+                                          "and member."),
+}
 
 
 class Forwarder:

@@ -299,16 +299,7 @@ class GatewayService:
 
     async def prometheus(self, request: web.Request) -> web.Response:
         m = PromText()
-        for (pool, member, status), n in sorted(self.metrics.requests.items()):
-            m.counter("llmgw_requests_total", "Requests by pool, member and outcome.", n,
-                      {"pool": pool, "member": member, "status": status})
-        for pool, hist in sorted(self.metrics.latency.items()):
-            m.histogram("llmgw_request_latency_seconds", "Request latency at the gateway.", hist, {"pool": pool})
-        for reason, n in sorted(self.metrics.decisions.items()):
-            m.counter("llmgw_routing_decisions_total", "Routing decisions by reason.", n, {"reason": reason})
-        for member, n in sorted(self.metrics.failovers.items()):
-            m.counter("llmgw_failovers_total", "Members skipped after a failure.", n, {"member": member})
-        m.counter("llmgw_affinity_hits_total", "Requests routed by cache affinity.", self.metrics.affinity_hits)
+        self.metrics.write(m)
         rows = self.backends_view()
         for row in rows:
             m.counter("llmgw_member_failures_total", "Requests the member failed (connect, 5xx, timeout, broken "
@@ -321,9 +312,20 @@ class GatewayService:
             ("llmgw_member_in_flight", "in_flight", "This gateway's open requests on the member."),
             ("llmgw_member_breaker_state", "breaker_state",
              "The member's circuit breaker: 0 closed, 1 half-open (one probe at a time), 2 open (skipped)."),
+            ("llmgw_member_running", "running", "Requests running, as the member's newest heartbeat says."),
+            ("llmgw_member_waiting", "waiting", "Requests waiting, as the member's newest heartbeat says."),
+            ("llmgw_member_energy_today_wh", "energy_today_wh",
+             "The member's own energy figure for today (UTC), Wh; absent where it reports none."),
         ):
             for row in rows:
                 m.gauge(name, help_text, row[key], {"pool": row["pool"], "member": row["member_id"]})
+        for row in rows:
+            m.gauge("llmgw_member_down", "1 while the member is down: its heartbeat says so, or the gateway holds it "
+                    "down after a failed request.", 1 if row["down"] or row["state"] == "down" else 0,
+                    {"pool": row["pool"], "member": row["member_id"]})
+        for row in rows:
+            m.gauge("llmgw_member_stale", "1 while the member's newest heartbeat is older than its stale limit (or "
+                    "none came).", 1 if row["stale"] else 0, {"pool": row["pool"], "member": row["member_id"]})
         return web.Response(body=m.render().encode(), headers={"Content-Type": CONTENT_TYPE})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -353,7 +355,7 @@ class GatewayService:
         request_id = f"req-{self.session_id}-{self._request_count:x}"
         api_key_id = key.key_id if key is not None else None
         started, wall = time.monotonic(), time.time()
-        outcome = Outcome(pool=resolved.pool.name)
+        outcome = Outcome(pool=resolved.pool.name, api_key_id=api_key_id)
         admission: Admission | None = None
         try:
             if key is not None:

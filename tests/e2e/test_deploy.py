@@ -34,6 +34,8 @@ from services.engine.__main__ import add_arguments as engine_arguments
 from tests.e2e.procs import REPO
 
 COMPOSE = REPO / "compose.yaml"
+OBSERVABILITY = REPO / "deploy" / "observability"
+MONITORING = ("prometheus", "grafana")  # the services of the `observability` profile
 ENV_EXAMPLE = REPO / "deploy" / "env.example"
 UNITS = REPO / "deploy" / "systemd"
 INSTALL = REPO / "scripts" / "install-engine.sh"
@@ -116,11 +118,11 @@ def test_the_compose_check_rejects_a_broken_file(tmp_path: Path) -> None:
 
 
 def test_every_service_has_a_healthcheck_a_restart_policy_and_waits_for_a_healthy_nats() -> None:
-    services = resolved("gpu", "cpu")["services"]
+    services = resolved("gpu", "cpu", "observability")["services"]
     for name, svc in services.items():
         assert svc["restart"] == "unless-stopped", name
         assert svc["healthcheck"]["test"][0] == "CMD", name
-        if name != "nats":
+        if name not in ("nats", *MONITORING):
             assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
             # our image may lack curl: the checks are Python one-liners against /health
             assert svc["healthcheck"]["test"][1:3] == ["python", "-c"] and "/health" in svc["healthcheck"]["test"][3]
@@ -159,9 +161,22 @@ def test_state_lives_on_named_volumes_and_only_the_gateway_is_published() -> Non
     assert volume_of["accounting"] == {"ledger": "/var/lib/llmgw"}  # DuckDB: DATA_DIR/accounting.duckdb
     assert volume_of["gateway"] == {"gateway-data": "/var/lib/llmgw"}
     assert volume_of["nats"] == {"nats-data": "/data"}
-    published = {name: svc["ports"] for name, svc in services.items() if svc.get("ports")}
+    published = {name: svc["ports"] for name, svc in services.items()
+                 if svc.get("ports") and name in enabled(services, "cpu")}
     assert list(published) == ["gateway"]
     assert published["gateway"][0]["target"] == 8080 and str(published["gateway"][0]["published"]) == "8080"
+    # with the monitoring profile, Grafana too, but on the host's loopback only; Prometheus stays internal
+    services = resolved("cpu", "observability")["services"]
+    published = {name: svc["ports"] for name, svc in services.items()
+                 if svc.get("ports") and name in enabled(services, "cpu", "observability")}
+    assert sorted(published) == ["gateway", "grafana"]
+    # Compose v1 writes a port bound to an address in the short form ("127.0.0.1:3000:3000/tcp")
+    assert [p if isinstance(p, str) else f'{p["host_ip"]}:{p["published"]}:{p["target"]}/tcp'
+            for p in published["grafana"]] == ["127.0.0.1:3000:3000/tcp"]
+    assert volume_of["accounting"] == {"ledger": "/var/lib/llmgw"}
+    monitoring_volumes = {name: {src for _, (src, _) in mounts(services[name]).items() if not src.startswith("/")}
+                          for name in MONITORING}
+    assert monitoring_volumes == {"prometheus": {"prometheus-data"}, "grafana": {"grafana-data"}}
 
 
 def test_nats_runs_the_committed_config_with_jetstream_on_its_volume_and_an_8mb_payload() -> None:
@@ -187,6 +202,102 @@ def test_no_secrets_in_the_compose_file_and_the_env_example_only_holds_placehold
     # the env file names a Compose profile and the example pools file is valid for the gateway
     assert re.search(r"^COMPOSE_PROFILES=(cpu|gpu)$", ENV_EXAMPLE.read_text(), re.M)
     assert pool_config.load(REPO / "deploy" / "config" / "pools.example.json").pools
+
+
+# ---- monitoring (profile `observability`) ---------------------------------------------------------------
+# What the dashboard and the alert rules query is checked against real /metrics output in
+# tests/integration/test_observability.py; here: the profile, the images, the mounts, and that every scrape
+# target, datasource and provider path names what compose really runs.
+
+
+def test_the_observability_profile_adds_prometheus_and_grafana_and_nothing_else() -> None:
+    core = {"nats", "gateway", "telemetry", "accounting"}
+    assert enabled(resolved("observability")["services"], "observability") == core | set(MONITORING)
+    assert enabled(resolved("cpu", "observability")["services"], "cpu", "observability") == (
+        core | {"engine-cpu"} | set(MONITORING))
+    services = resolved("observability")["services"]
+    for name in MONITORING:
+        assert services[name]["profiles"] == ["observability"], name
+
+
+def test_monitoring_images_are_pinned_and_their_configs_are_the_committed_files_mounted_read_only() -> None:
+    services = resolved("observability")["services"]
+    prom, grafana = services["prometheus"], services["grafana"]
+    assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", prom["image"])
+    assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", grafana["image"])
+    prom_mounts = mounts(prom)
+    assert prom_mounts["/etc/prometheus/prometheus.yml"] == (str(OBSERVABILITY / "prometheus" / "prometheus.yml"), True)
+    assert prom_mounts["/etc/prometheus/alerts.yml"] == (str(OBSERVABILITY / "prometheus" / "alerts.yml"), True)
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    assert "--storage.tsdb.path=/prometheus" in prom["command"] and prom_mounts["/prometheus"][0] == "prometheus-data"
+    graf_mounts = mounts(grafana)
+    assert graf_mounts["/etc/grafana/provisioning"] == (str(OBSERVABILITY / "grafana" / "provisioning"), True)
+    assert graf_mounts["/var/lib/grafana/dashboards"] == (str(OBSERVABILITY / "grafana" / "dashboards"), True)
+    for _, (source, _) in [*prom_mounts.items(), *graf_mounts.items()]:
+        assert not source.startswith("/") or Path(source).exists(), source
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    # the home dashboard is one the provider serves
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert Path(home).parent == Path("/var/lib/grafana/dashboards")
+    assert (OBSERVABILITY / "grafana" / "dashboards" / Path(home).name).is_file()
+
+
+def _port_of(svc: dict[str, Any]) -> int:
+    """The port a service of ours listens on, as its command line or environment says."""
+    command = svc["command"]
+    for i, word in enumerate(command):
+        if word == "--port":
+            return int(command[i + 1])
+        if word.startswith("--port="):
+            return int(word.split("=", 1)[1])
+    (port,) = [v for k, v in svc.get("environment", {}).items() if k.endswith("_PORT")]
+    return int(port)
+
+
+def test_prometheus_scrapes_every_service_by_its_compose_name_and_listening_port_and_loads_the_rules() -> None:
+    services = resolved("gpu", "cpu", "observability")["services"]
+    config = yaml.safe_load((OBSERVABILITY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"gateway", "telemetry", "ninfer"}
+    for job in ("gateway", "telemetry"):
+        (target,) = [t for sc in jobs[job]["static_configs"] for t in sc["targets"]]
+        host, port = target.split(":")
+        assert host == job and int(port) == _port_of(services[host]), target
+        svc = services[host]
+        assert port in svc.get("expose", []) or [p["target"] for p in svc.get("ports", [])] == [int(port)], target
+    (dns,) = jobs["ninfer"]["dns_sd_configs"]
+    assert dns["type"] == "A" and set(dns["names"]) == {"engine", "engine-cpu"}
+    for name in dns["names"]:  # both engine flavours, each under its own profile
+        assert dns["port"] == _port_of(services[name]) and services[name]["command"][0] == "engine"
+    # the engines' and the telemetry's /metrics path is Prometheus' default
+    assert all(job.get("metrics_path", "/metrics") == "/metrics" for job in jobs.values())
+    assert config["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    rules = yaml.safe_load((OBSERVABILITY / "prometheus" / "alerts.yml").read_text())
+    alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"]}
+    assert {"MemberDown", "HeartbeatStale", "QueueGrowing", "EnergyCoverageFalling"} <= set(alerts)
+    for name, rule in alerts.items():
+        assert rule["expr"].strip() and re.fullmatch(r"\d+[smh]", rule["for"]), name
+        assert rule["labels"]["severity"] in ("critical", "warning") and rule["annotations"]["summary"], name
+
+
+def test_grafana_provisioning_reads_the_compose_prometheus_and_serves_the_mounted_dashboards() -> None:
+    services = resolved("observability")["services"]
+    provisioning = OBSERVABILITY / "grafana" / "provisioning"
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["access"] == "proxy"
+    host_port = source["url"].removeprefix("http://")
+    assert host_port == "prometheus:" + services["prometheus"]["expose"][0]
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "llmgw.yml").read_text())["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"] in mounts(services["grafana"])
+    for path in (OBSERVABILITY / "grafana" / "dashboards").glob("*.json"):
+        dashboard = json.loads(path.read_text())
+        assert dashboard["uid"] and dashboard["title"] and dashboard["panels"], path
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        # the datasource variable defaults to the provisioned uid, and every panel reads through it
+        assert variables["datasource"]["current"]["value"] == source["uid"]
+        for panel in dashboard["panels"]:
+            if panel["type"] != "row":
+                assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
 
 
 # ---- Dockerfile -----------------------------------------------------------------------------------------

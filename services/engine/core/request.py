@@ -47,8 +47,8 @@ class Request:
     """A request's tokens, progress and bookkeeping.
 
     Writers: the scheduler (status, ``num_computed_tokens``, output tokens, timings,
-    ``num_cached_prompt_tokens``, ``num_preemptions``) and the block pool (``block_ids``, the physical
-    KV blocks backing the sequence in order). Telemetry reads and resets
+    ``num_cached_prompt_tokens``, ``num_preemptions``), the engine core (``last_token_s``) and the block
+    pool (``block_ids``, the physical KV blocks backing the sequence in order). Telemetry reads and resets
     ``num_new_output_tokens_since_sample`` via :meth:`take_new_output_tokens`.
 
     Speculative decoding: the engine core writes ``spec_token_ids`` (draft tokens proposed to follow
@@ -65,6 +65,7 @@ class Request:
         "finished_s",
         "first_scheduled_s",
         "first_token_s",
+        "last_token_s",
         "num_accepted_draft_tokens",
         "num_cached_prompt_tokens",
         "num_computed_tokens",
@@ -105,6 +106,8 @@ class Request:
         self.arrival_s = arrival_s
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None
+        # When the engine core last emitted tokens of this request (its inter-token gaps are measured from it).
+        self.last_token_s: float | None = None
         self.finished_s: float | None = None
 
     def __repr__(self) -> str:

@@ -8,19 +8,46 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.prom import E2E_BUCKETS_S, TTFT_BUCKETS_S, Histogram, PromText
+from services.common.prom import (
+    E2E_BUCKETS_S,
+    INTER_TOKEN_BUCKETS_S,
+    REQUEST_N_BUCKETS,
+    TTFT_BUCKETS_S,
+    Histogram,
+    PromText,
+    buckets_1_2_5,
+)
 from services.engine.outputs import EngineSnapshot, RequestOutput
 from services.engine.serve.usage_ledger import UsageLedger
 from services.engine.spec.spec_decode import SpecDecodeStats
 
+# Token-count histograms are kept on vLLM's 1-2-5 buckets up to far past any context and written up to the
+# engine's max context (vLLM bounds them by max_model_len): the 1-2-5 buckets up to any bound are a prefix of
+# these, so the written histogram is exact.
+_TOKEN_BUCKETS = buckets_1_2_5(10**9)
+# The engine label vLLM v1 puts on every per-engine series (its data-parallel rank): one engine core here.
+ENGINE_INDEX = "0"
+
 
 @dataclass
 class RequestStats:
-    """Totals over finished requests since the process started (HTTP and bus alike)."""
+    """Totals over finished requests since the process started (HTTP and bus alike), with vLLM's per-request
+    histograms (vllm/v1/metrics/loggers.py: the same names, buckets and phase meanings; see
+    outputs.RequestTimings). Per-step ones (tokens per step, inter-token gaps) are counted by the core and
+    come in the EngineSnapshot."""
 
     finished: collections.Counter[str] = field(default_factory=collections.Counter)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS_S))
+    queue: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS_S))  # arrival -> first scheduled
+    inference: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS_S))  # first scheduled -> last token
+    prefill: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS_S))  # first scheduled -> first token
+    decode: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS_S))  # first token -> last token
+    time_per_output_token: Histogram = field(default_factory=lambda: Histogram(INTER_TOKEN_BUCKETS_S))  # decode/(n-1)
+    prompt_tokens: Histogram = field(default_factory=lambda: Histogram(_TOKEN_BUCKETS))
+    generation_tokens: Histogram = field(default_factory=lambda: Histogram(_TOKEN_BUCKETS))
+    max_tokens_param: Histogram = field(default_factory=lambda: Histogram(_TOKEN_BUCKETS))
+    n_param: Histogram = field(default_factory=lambda: Histogram(REQUEST_N_BUCKETS))
     prompt_seconds: float = 0.0
     predicted_seconds: float = 0.0
     cached_prompt_tokens: int = 0
@@ -33,14 +60,27 @@ class RequestStats:
         self.cached_prompt_tokens += output.num_cached_tokens
         self.num_prompt_tokens += output.num_prompt_tokens
         self.num_output_tokens += output.num_output_tokens
+        self.prompt_tokens.observe(output.num_prompt_tokens)
+        self.generation_tokens.observe(output.num_output_tokens)
+        self.n_param.observe(1)  # n > 1 is refused at the edge (openai_api): every request asks for one choice
+        if output.max_tokens:
+            self.max_tokens_param.observe(output.max_tokens)
         t = output.timings
         if t is None:
             return
         if t.ttft_ms is not None:
             self.ttft.observe(t.ttft_ms / 1000.0)
-        self.e2e.observe((t.queue_ms + t.prompt_ms + t.predicted_ms) / 1000.0)
-        self.prompt_seconds += t.prompt_ms / 1000.0
-        self.predicted_seconds += t.predicted_ms / 1000.0
+        queue_s, prefill_s, decode_s = t.queue_ms / 1000.0, t.prompt_ms / 1000.0, t.predicted_ms / 1000.0
+        self.e2e.observe(queue_s + prefill_s + decode_s)
+        self.queue.observe(queue_s)
+        self.prefill.observe(prefill_s)
+        self.decode.observe(decode_s)
+        self.inference.observe(prefill_s + decode_s)
+        # vLLM's mean_time_per_output_token: the decode phase over the tokens after the first (0 for one token)
+        n = output.num_output_tokens
+        self.time_per_output_token.observe(decode_s / (n - 1) if n > 1 else 0.0)
+        self.prompt_seconds += prefill_s
+        self.predicted_seconds += decode_s
 
     @property
     def num_requests(self) -> int:
@@ -139,11 +179,28 @@ def speculative_view(spec: SpecDecodeStats) -> dict[str, Any]:
     }
 
 
+# The vLLM metric names this engine exports (the families as prometheus_client names them: a counter without
+# ``_total``), from vllm/v1/metrics/loggers.py and what the official vLLM Grafana dashboard
+# (examples/online_serving/prometheus_grafana/grafana.json) and the llm-d / production-stack routers read.
+# tests/integration/test_observability.py checks every one is in a real engine's /metrics.
+VLLM_METRIC_FAMILIES = (
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits", "vllm:num_preemptions", "vllm:request_success",
+    "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens",
+    "vllm:request_params_max_tokens", "vllm:request_params_n", "vllm:iteration_tokens_total",
+    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
+    "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds", "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds", "vllm:cache_config_info",
+)
+
+
 def metrics_text(model_id: str, snap: EngineSnapshot, req: RequestStats, uptime_s: float,
                  energy_j_total: float | None, block_size: int, num_deadline_dropped: int = 0) -> str:
     s = snap.stats
     m = PromText()
-    model = {"model_name": model_id}
+    model = {"model_name": model_id, "engine": ENGINE_INDEX}  # vLLM v1's labels on every per-engine series
     # vLLM-compatible names.
     m.gauge("vllm:num_requests_running", "Requests in model execution batches.", s.num_running, model)
     m.gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", s.num_waiting, model)
@@ -159,21 +216,50 @@ def metrics_text(model_id: str, snap: EngineSnapshot, req: RequestStats, uptime_
     for reason, n in sorted(req.finished.items()):
         m.counter("vllm:request_success_total", "Finished requests by finish reason.", n,
                   {**model, "finished_reason": reason})
+    max_len = snap.max_context  # vLLM's max_model_len bounds its token-count buckets
+    m.histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", req.prompt_tokens.up_to(max_len),
+                model)
+    m.histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                req.generation_tokens.up_to(max_len), model)
+    # n is always 1 here, so the most generation tokens of a request's choices is its generation tokens
+    m.histogram("vllm:request_max_num_generation_tokens", "Maximum number of requested generation tokens.",
+                req.generation_tokens.up_to(max_len), model)
+    m.histogram("vllm:request_params_max_tokens", "The max_tokens request parameter.",
+                req.max_tokens_param.up_to(max_len), model)
+    m.histogram("vllm:request_params_n", "The n request parameter.", req.n_param, model)
+    if snap.iteration_tokens is not None:
+        m.histogram("vllm:iteration_tokens_total", "Tokens per engine step.", snap.iteration_tokens, model)
     m.histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", req.ttft, model)
+    if snap.inter_token_latency is not None:
+        m.histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", snap.inter_token_latency,
+                    model)
+        # vLLM's name for the same observations before 0.11 (the official Grafana dashboard still reads it)
+        m.histogram("vllm:time_per_output_token_seconds", "Time per output token in seconds (the inter-token "
+                    "latency's older name).", snap.inter_token_latency, model)
+    m.histogram("vllm:request_time_per_output_token_seconds", "Mean time per output token of each request "
+                "(decode time / (generation tokens - 1)).", req.time_per_output_token, model)
     m.histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", req.e2e, model)
+    m.histogram("vllm:request_queue_time_seconds", "Time spent in WAITING phase for request.", req.queue, model)
+    m.histogram("vllm:request_inference_time_seconds", "Time spent in RUNNING phase for request.", req.inference,
+                model)
+    m.histogram("vllm:request_prefill_time_seconds", "Time spent in PREFILL phase for request.", req.prefill, model)
+    m.histogram("vllm:request_decode_time_seconds", "Time spent in DECODE phase for request.", req.decode, model)
     if snap.spec is not None:
         spec = snap.spec
-        m.counter("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.", spec.num_drafts, model)
+        # vLLM labels these with engine too; ours predate the engine label and readers match them as they are
+        spec_labels = {"model_name": model_id}
+        m.counter("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.", spec.num_drafts, spec_labels)
         m.counter("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.", spec.num_draft_tokens,
-                  model)
+                  spec_labels)
         m.counter("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
-                  spec.num_accepted_tokens, model)
+                  spec.num_accepted_tokens, spec_labels)
         for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
             m.counter("vllm:spec_decode_num_accepted_tokens_per_pos_total", "Accepted tokens per draft position.",
-                      n, {**model, "position": str(pos)})
+                      n, {**spec_labels, "position": str(pos)})
     m.gauge("vllm:cache_config_info", "Information of the KV cache configuration.", 1,
             {"block_size": str(block_size), "num_gpu_blocks": str(s.num_kv_blocks_total),
-             "enable_prefix_caching": "True", "max_num_seqs": str(snap.lanes)})  # lanes, for vLLM-shaped readers
+             "enable_prefix_caching": "True", "max_num_seqs": str(snap.lanes),  # lanes, for vLLM-shaped readers
+             "engine": ENGINE_INDEX})
     # llama.cpp / NInfer-fork names (the existing gateway reads these).
     m.counter("llamacpp:prompt_tokens_total", "Prompt tokens processed.", snap.prompt_tokens_total)
     m.counter("llamacpp:tokens_predicted_total", "Generation tokens processed.", snap.output_tokens_total)
