@@ -320,12 +320,15 @@ class IdentityStore:
         self._changed("users", user.user_id)
         return user
 
-    def bootstrap_admin(self, now_s: float) -> tuple[str, str]:
-        """First start (no users yet): user ``admin`` with a generated password and one API key.
+    def bootstrap_admin(self, now_s: float, password: str | None = None) -> tuple[str, str]:
+        """First start (no users yet): user ``admin`` with ``password`` (the operator's ``$LLMGW_ADMIN_PASSWORD``)
+        or a generated one, and one API key.
 
         Returns both so the caller can show them once; only their hashes are kept.
         """
-        password = new_password()
+        if password is not None:
+            check_password_rules(password)
+        password = password or new_password()
         user = self.create_user("admin", hash_password(password), "admin")
         key, _ = self.create_key(user.user_id, "bootstrap", None, now_s)
         return password, key

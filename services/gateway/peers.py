@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import time
 
 from nats.aio.client import Client
@@ -28,9 +29,9 @@ from proto import (
     encode_json,
     subjects,
 )
-from services.common.runtime import ThrottledLog, raise_if_cancelling
+from services.common.runtime import ConfigError, ThrottledLog, raise_if_cancelling
 from services.gateway.auth import Auth
-from services.gateway.identity import IdentityStore
+from services.gateway.identity import IdentityError, IdentityStore
 from services.gateway.limits import month_of as limits_month
 
 # A gateway that does not know a key answers an auth check this much later than one that does.
@@ -39,10 +40,19 @@ NEGATIVE_AUTH_DELAY_S = 0.25
 QUOTA_SHARE_S = 1.0
 
 
+ADMIN_PASSWORD_ENV = "LLMGW_ADMIN_PASSWORD"
+
+
 def bootstrap_admin(identity: IdentityStore) -> tuple[str, str]:
-    """First start: an admin user with a generated password and one API key, printed once (never logged)."""
-    password, key = identity.bootstrap_admin(time.time())
-    print(f"llmgw gateway: first start: created user 'admin' (password {password}) and API key {key}; "
+    """First start: an admin user with ``$LLMGW_ADMIN_PASSWORD`` or a generated password, and one API key,
+    printed once (never logged; the operator's own password is not printed at all)."""
+    given = os.environ.get(ADMIN_PASSWORD_ENV) or None
+    try:
+        password, key = identity.bootstrap_admin(time.time(), given)
+    except IdentityError as exc:
+        raise ConfigError(ADMIN_PASSWORD_ENV, exc.message) from None
+    shown = f"the password in ${ADMIN_PASSWORD_ENV}" if given else f"password {password}"
+    print(f"llmgw gateway: first start: created user 'admin' ({shown}) and API key {key}; "
           "both are shown only this once: sign in at the gateway's / to manage keys and users", flush=True)
     return password, key
 
