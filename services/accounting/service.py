@@ -365,7 +365,7 @@ class AccountingService:
         future = self.queries.submit(sql, max_bytes)
         # The reader's own watchdog ends the query; this bound only guards against an interrupt DuckDB
         # does not honour (the caller then gets an answer even if the reader is still stuck).
-        bound_s = 2 * self.config.query_timeout_s + 5.0
+        bound_s = self.queries.max_wait_s + self.config.query_timeout_s + 5.0
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), bound_s)
         except TimeoutError:

@@ -28,7 +28,7 @@ from services.common.runtime import data_dir, read_stack_file
 
 CONNECT_ATTEMPTS = 3
 CONNECT_TIMEOUT_S = 2.0
-BUS_TIMEOUT_S = 30.0  # the service answers within about twice its query limit (queue wait + run): 20 s by default
+BUS_TIMEOUT_S = 40.0  # the service answers within 3 query limits (a wait of up to 2, a run of 1): 30 s by default
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 

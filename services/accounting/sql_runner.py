@@ -9,9 +9,10 @@ DuckDB's MVCC lets the readers' read-only transactions and the writer's commits 
 Why the deadline starts at execution: the old limit counted from submission on an asyncio timer but
 could only interrupt the running query, so with two long queries the second ran its full 40 s after
 the first was stopped and ``SELECT 1`` behind them timed out without running. Here each query gets a
-watchdog timer started just before it runs; a query waiting in the queue longer than ``timeout_s`` is
-refused without running, and the queue holds at most ``max_queued`` (a full queue is refused at once):
-so no caller waits more than about ``2 * timeout_s``.
+watchdog timer started just before it runs; a query that waited in the queue longer than
+``2 * timeout_s`` is refused without running (the next in line behind a running query always gets its
+turn within one limit), and the queue holds at most ``max_queued`` (a full queue is refused at once):
+so no caller waits more than about ``3 * timeout_s`` for an answer.
 """
 
 from __future__ import annotations
@@ -143,22 +144,27 @@ class QueryRunner:
 
     def __init__(self, cursors: list[duckdb.DuckDBPyConnection],
                  check: Callable[[duckdb.DuckDBPyConnection, str], None], limits: QueryLimits) -> None:
-        if not cursors:
-            raise ValueError("a query runner needs at least one reader cursor")
+        if not 1 <= limits.num_readers <= len(cursors):
+            raise ValueError(f"{limits.num_readers} readers need as many cursors, got {len(cursors)}")
         self.limits = limits
         self._check = check
-        self._free = list(cursors)
-        self._cursors = list(cursors)
+        self._cursors = list(cursors[:limits.num_readers])
+        self._free = list(self._cursors)
         self._lock = threading.Lock()
         self._num_pending = 0  # queued + running
         self._running: set[_Run] = set()
         self._is_closed = False
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(cursors),
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self._cursors),
                                                            thread_name_prefix="duckdb-sql")
 
     @property
     def num_readers(self) -> int:
         return len(self._cursors)
+
+    @property
+    def max_wait_s(self) -> float:
+        """How long a query may wait for a reader before it is refused unrun."""
+        return 2 * self.limits.timeout_s
 
     def submit(self, sql: str, max_bytes: int | None = None) -> concurrent.futures.Future[QueryResult]:
         """Queue one query; raises :class:`QueryBusy` at once when ``num_readers + max_queued`` are pending.
@@ -196,8 +202,8 @@ class QueryRunner:
 
     def _run(self, sql: str, max_bytes: int, submitted: float) -> QueryResult:
         waited_s = time.monotonic() - submitted
-        if waited_s > self.limits.timeout_s:
-            raise QueryBusy(f"the query waited {waited_s:.1f} s for a free reader (more than its "
+        if waited_s > self.max_wait_s:
+            raise QueryBusy(f"the query waited {waited_s:.1f} s for a free reader (more than twice its "
                             f"{self.limits.timeout_s:g} s limit) and was not run; retry later",
                             retry_after_s=self.limits.timeout_s)
         with self._lock:
