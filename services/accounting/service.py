@@ -162,6 +162,7 @@ class AccountingService:
             self._subs.append(await self.nc.subscribe(subjects.ACCOUNTING_COSTS, cb=self._on_costs))
             self._subs.append(await self.nc.subscribe(subjects.ACCOUNTING_KEY_ENERGY, cb=self._on_key_energy))
             self._subs.append(await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self._on_config_changed))
+            await self.nc.flush()  # the server has the subscriptions before anyone is told we are ready
             async with contextlib.AsyncExitStack() as stack:
                 if self.config.port is not None:
                     self.url = await stack.enter_async_context(
