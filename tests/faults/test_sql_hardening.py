@@ -230,7 +230,7 @@ def client_env(tmp_path: Path) -> dict[str, str]:
 async def llmgw_sql(tmp_path: Path, *args: str, timeout_s: float = 60.0) -> tuple[int, str, str, float]:
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.accounting.sql_client", *args, "--data-dir", str(tmp_path),
+        sys.executable, "-m", "services.cli", "sql", *args, "--data-dir", str(tmp_path),
         cwd=REPO, env=client_env(tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
@@ -299,7 +299,7 @@ def has_open(pid: int, path: Path) -> bool:
 async def test_ctrl_c_interrupts_a_query_on_the_file_with_exit_code_130_and_no_traceback(
         tmp_path: Path, ledger_file: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.accounting.sql_client", LONG, "--timeout", "120", "--data-dir", str(tmp_path),
+        sys.executable, "-m", "services.cli", "sql", LONG, "--timeout", "120", "--data-dir", str(tmp_path),
         cwd=REPO, env=client_env(tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         async with asyncio.timeout(60):  # process start on a loaded machine: imports, then the file opens
