@@ -5,7 +5,10 @@ batch, acknowledged after the commit, deduplicated by message identity), derives
 their attribution to requests, keeps hourly/daily rollups, and answers read-only SQL and the costs
 document on the bus and on an admin HTTP server.
 
-Errors: :class:`store.QueryRejected` (not one read-only SELECT, or too long), :class:`store.QueryFailed`
-(DuckDB refused it, e.g. a file reader) and :class:`service.QueryTimedOut` (interrupted after the time
-limit) are reported to the caller with their message; HTTP maps them to 400/400/408.
+Errors of operator SQL, reported to the caller with their message (HTTP status and code in brackets):
+:class:`store.QueryRejected` (not one read-only SELECT, too long, or a refused function: 400
+``query_rejected``), :class:`store.QueryFailed` (DuckDB refused it, e.g. a file reader: 400
+``query_failed``), :class:`sql_runner.ResultTooLarge` (over the row or byte cap: 400 ``result_too_large``),
+:class:`sql_runner.QueryTimedOut` (interrupted at the time limit from the start of execution: 408
+``query_timeout``) and :class:`sql_runner.QueryBusy` (the queue is full: 503 ``sql_busy``, Retry-After).
 """

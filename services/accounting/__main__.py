@@ -19,6 +19,7 @@ from pathlib import Path
 from proto import pools as pool_config
 from services.accounting.intervals import Limits
 from services.accounting.service import AccountingConfig, AccountingService, DatedRate, price_book_of
+from services.accounting.sql_runner import QueryLimits
 from services.accounting.store import PriceBookEntry
 from services.common.bus import bus_session, nats_url_from_env
 from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W
@@ -45,7 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the bus from the gateway's Config page")
     parser.add_argument("--retention-days", type=float, default=30.0, help="raw energy samples kept (default 30)")
     parser.add_argument("--export-dir", help="Parquet export of the rollups (default: DATA_DIR/exports)")
-    parser.add_argument("--query-timeout", type=float, default=10.0, help="operator query limit in s (default 10)")
+    parser.add_argument("--query-timeout", type=float, default=QueryLimits.timeout_s,
+                        help="operator query limit in s, counted from the start of its execution (default "
+                             f"{QueryLimits.timeout_s:g})")
+    parser.add_argument("--max-result-bytes", type=int, default=QueryLimits.max_result_bytes,
+                        help="the most JSON bytes one operator query may answer; over it the query fails with "
+                             f"result_too_large (default {QueryLimits.max_result_bytes}; the bus answer also stays "
+                             "under the NATS server's max_payload)")
+    parser.add_argument("--max-concurrent-queries", type=int, default=QueryLimits.num_readers,
+                        help="operator queries run at once, each on its own reader "
+                             f"(default {QueryLimits.num_readers})")
+    parser.add_argument("--max-queued-queries", type=int, default=QueryLimits.max_queued,
+                        help="operator queries waiting for a reader; more are refused at once with 503 and "
+                             f"Retry-After (default {QueryLimits.max_queued})")
     parser.add_argument("--max-gap", type=float, default=60.0,
                         help="seconds between energy samples above which an interval is flagged as a gap")
     parser.add_argument("--max-rapl-power-w", type=float, default=DEFAULT_MAX_RAPL_POWER_W,
@@ -119,8 +132,14 @@ def build_config(args: argparse.Namespace, data: Path) -> AccountingConfig:
     price_book = load_price_book(args.price_book) if args.price_book else price_book_of(pools)
     if args.retention_days <= 0:
         raise ConfigError("retention-days", "must be > 0")
-    if args.query_timeout <= 0:
-        raise ConfigError("query-timeout", "must be > 0")
+    if not (math.isfinite(args.query_timeout) and args.query_timeout > 0):
+        raise ConfigError("query-timeout", "must be a finite number of seconds > 0")
+    if args.max_result_bytes < 1024:
+        raise ConfigError("max-result-bytes", f"must be at least 1024, got {args.max_result_bytes}")
+    if not 1 <= args.max_concurrent_queries <= 64:
+        raise ConfigError("max-concurrent-queries", f"must be 1..64, got {args.max_concurrent_queries}")
+    if not 0 <= args.max_queued_queries <= 1000:
+        raise ConfigError("max-queued-queries", f"must be 0..1000, got {args.max_queued_queries}")
     if not (math.isfinite(args.max_rapl_power_w) and args.max_rapl_power_w > 0):
         raise ConfigError("max-rapl-power-w", f"must be a finite number of watts > 0, got {args.max_rapl_power_w}")
     return AccountingConfig(
@@ -128,7 +147,8 @@ def build_config(args: argparse.Namespace, data: Path) -> AccountingConfig:
         host=args.host, port=port, electricity_rate_usd_per_kwh=rate, tariff=tariff,
         price_book=price_book, retention_days=args.retention_days,
         export_dir=Path(args.export_dir) if args.export_dir else data / "exports",
-        query_timeout_s=args.query_timeout,
+        query_timeout_s=args.query_timeout, max_result_bytes=args.max_result_bytes,
+        num_query_readers=args.max_concurrent_queries, max_queued_queries=args.max_queued_queries,
         limits=Limits(max_gap_s=args.max_gap, max_rapl_power_w=args.max_rapl_power_w),
     )
 
@@ -149,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     add_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging()
+    # Every file this process creates (the ledger, each new .wal after a checkpoint, Parquet exports) is
+    # the owner's alone: the ledger holds every request's key, model and tokens (docs/deploy.md).
+    os.umask(0o077)
     run_async_main(lambda: run(args), "accounting")
 
 

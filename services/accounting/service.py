@@ -26,7 +26,7 @@ import msgspec
 from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig
 
@@ -51,8 +51,10 @@ from proto import (
     subjects,
 )
 from proto import pools as pool_config
+from services.accounting import sql_values
 from services.accounting.intervals import Limits
 from services.accounting.puller import BatchPuller
+from services.accounting.sql_runner import QueryBusy, QueryLimits, QueryRunner, QueryTimedOut, ResultTooLarge
 from services.accounting.store import (
     LEDGER_ERRORS,
     REFUSED_VALUE_ERRORS,
@@ -60,7 +62,6 @@ from services.accounting.store import (
     PriceBookEntry,
     QueryFailed,
     QueryRejected,
-    jsonable,
 )
 from services.accounting.validation import energy_problem, month_bounds, usage_problem
 from services.common.http import HTTPError, error_middleware, read_json_object, serving
@@ -102,9 +103,13 @@ class AccountingConfig:
     retention_days: float = 30.0
     maintenance_interval_s: float = 3600.0
     rollup_interval_s: float = 2.0
-    query_timeout_s: float = 10.0
-    max_query_rows: int = 10_000
-    max_sql_chars: int = 20_000
+    # Operator SQL (docs/accounting.md, "SQL limits"); the defaults are QueryLimits'.
+    query_timeout_s: float = QueryLimits.timeout_s
+    max_query_rows: int = QueryLimits.max_rows
+    max_sql_chars: int = QueryLimits.max_sql_chars
+    max_result_bytes: int = QueryLimits.max_result_bytes
+    num_query_readers: int = QueryLimits.num_readers
+    max_queued_queries: int = QueryLimits.max_queued
     auth_timeout_s: float = 2.0
     export_dir: Path | None = None
     limits: Limits = field(default_factory=Limits)
@@ -125,7 +130,10 @@ class AccountingService:
         self.nc = nc
         self.config = config
         self.stats = AccountingStats()
-        self.ledger = LedgerThread(config.db_path, config.limits)
+        self.ledger = LedgerThread(config.db_path, config.limits, config.num_query_readers)
+        ledger = self.ledger.ledger
+        self.queries = QueryRunner(ledger.query_cursors, lambda cursor, sql: ledger.check(
+            cursor, sql, config.max_sql_chars), self.query_limits)
         now_s = time.time()
         self.ledger.submit(lambda ledger: ledger.set_tariff(config.electricity_rate_usd_per_kwh, now_s,
                                                             "--electricity-rate")).result()
@@ -141,12 +149,20 @@ class AccountingService:
         self._pullers: list[BatchPuller] = []
         self._last_refresh_s = 0.0
 
+    @property
+    def query_limits(self) -> QueryLimits:
+        c = self.config
+        return QueryLimits(timeout_s=c.query_timeout_s, max_rows=c.max_query_rows, max_result_bytes=c.max_result_bytes,
+                           max_sql_chars=c.max_sql_chars, num_readers=c.num_query_readers,
+                           max_queued=c.max_queued_queries)
+
     async def run(self) -> None:
         try:
             self._subs.append(await self.nc.subscribe(subjects.ACCOUNTING_SQL, cb=self._on_sql))
             self._subs.append(await self.nc.subscribe(subjects.ACCOUNTING_COSTS, cb=self._on_costs))
             self._subs.append(await self.nc.subscribe(subjects.ACCOUNTING_KEY_ENERGY, cb=self._on_key_energy))
             self._subs.append(await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self._on_config_changed))
+            await self.nc.flush()  # the server has the subscriptions before anyone is told we are ready
             async with contextlib.AsyncExitStack() as stack:
                 if self.config.port is not None:
                     self.url = await stack.enter_async_context(
@@ -165,6 +181,7 @@ class AccountingService:
                     await sub.unsubscribe()
             for puller in self._pullers:
                 await puller.stop()
+            self.queries.close()
             self.ledger.close()
 
     async def _on_config_changed(self, msg: Msg) -> None:
@@ -336,19 +353,31 @@ class AccountingService:
 
     # ---- queries ----------------------------------------------------------------------------------------
 
-    async def run_sql(self, sql: str) -> tuple[list[str], list[list[Any]]]:
-        """One operator query on the reader thread, interrupted after ``query_timeout_s``."""
-        wrapped = asyncio.wrap_future(
-            self.ledger.submit_query(sql, self.config.max_query_rows, self.config.max_sql_chars))
+    async def run_sql(self, sql: str, max_bytes: int | None = None) -> tuple[list[str], list[list[Any]]]:
+        """One operator query on a reader cursor (sql_runner.py): interrupted ``query_timeout_s`` after it
+        starts, refused at once (QueryBusy) when the queue is full, its rows JSON values (sql_values.py)
+        capped at ``max_bytes`` (default and most: ``max_result_bytes``) of JSON while fetched.
+
+        Raises QueryRejected, QueryFailed, QueryTimedOut, QueryBusy, ResultTooLarge."""
+        result = await self._query(sql, max_bytes)
+        return result.columns, result.rows
+
+    async def _query(self, sql: str, max_bytes: int | None) -> Any:
+        future = self.queries.submit(sql, max_bytes)
+        # The reader's own watchdog ends the query; this bound only guards against an interrupt DuckDB
+        # does not honour (the caller then gets an answer even if the reader is still stuck).
+        bound_s = self.queries.max_wait_s + self.config.query_timeout_s + 5.0
         try:
-            columns, rows = await asyncio.wait_for(asyncio.shield(wrapped), self.config.query_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), bound_s)
         except TimeoutError:
             raise_if_cancelling()
-            self.ledger.ledger.interrupt()
-            with contextlib.suppress(QueryFailed, QueryRejected):
-                await wrapped  # the reader thread is free again before the next query
             raise QueryTimedOut(self.config.query_timeout_s) from None
-        return columns, [[jsonable(v) for v in r] for r in rows]
+
+    def bus_reply_limit(self) -> int:
+        """The most bytes an SQL reply may take on the bus: the server's max_payload less headroom for the
+        reply's headers, and at most ``max_result_bytes``."""
+        max_payload = int(getattr(self.nc, "max_payload", 0) or 1024 * 1024)
+        return min(self.config.max_result_bytes, max_payload - 4096)
 
     async def costs_report(self, num_days: int = 30) -> CostsReport:
         """The costs document (services/accounting/costs.py) over the ``num_days`` UTC days ending today."""
@@ -397,13 +426,17 @@ class AccountingService:
             else:
                 if request.sql is None:
                     raise QueryRejected('send {"sql": "SELECT …"}')
-                columns, rows = await self.run_sql(request.sql)
+                columns, rows = await self.run_sql(request.sql, self.bus_reply_limit())
                 reply = SqlReply(columns=columns, rows=rows)
-        except (QueryRejected, QueryFailed, QueryTimedOut) as exc:
+        except (QueryRejected, QueryFailed, QueryTimedOut, QueryBusy, ResultTooLarge) as exc:
             reply = SqlReply(error=str(exc))
         except ProtoDecodeError as exc:
             reply = SqlReply(error="request is not JSON" if exc.is_malformed else 'send {"sql": "SELECT …"}')
-        await msg.respond(encode_json(reply))
+        try:
+            await msg.respond(encode_json(reply))
+        except MaxPayloadError:  # counted under the limit, so only a reply header could tip it over
+            await msg.respond(encode_json(SqlReply(error=f"the result is too large for the bus (more than "
+                                                          f"{self.nc.max_payload:,} bytes); narrow the query")))
 
     async def _on_costs(self, msg: Msg) -> None:
         """``CostsQuery`` (an empty payload is the default query) → ``CostsReport``, or an ``ErrorReply``."""
@@ -460,9 +493,14 @@ class AccountingService:
             raise HTTPError(400, str(exc), code="query_rejected") from None
         except QueryFailed as exc:
             raise HTTPError(400, str(exc), code="query_failed") from None
+        except ResultTooLarge as exc:
+            raise HTTPError(400, str(exc), code="result_too_large") from None
         except QueryTimedOut as exc:
             raise HTTPError(408, str(exc), code="query_timeout") from None
-        return web.json_response({"columns": columns, "rows": rows})
+        except QueryBusy as exc:
+            raise HTTPError(503, str(exc), code="sql_busy", retry_after_s=exc.retry_after_s) from None
+        # sql_values made every value plain JSON: the same bytes the bus path sends (no NaN, no 500 on a type)
+        return web.Response(body=sql_values.encode({"columns": columns, "rows": rows}), content_type="application/json")
 
     async def _http_costs(self, request: web.Request) -> web.StreamResponse:
         await self._require_admin(request)
@@ -474,14 +512,6 @@ class AccountingService:
 
     async def _http_health(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"ok": True})
-
-
-class QueryTimedOut(RuntimeError):
-    """An operator query ran past ``query_timeout_s`` and was interrupted."""
-
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(f"query interrupted after {timeout_s:g} s (the limit for operator queries)")
-        self.timeout_s = timeout_s
 
 
 def _days(value: Any) -> int:

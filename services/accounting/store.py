@@ -1,22 +1,32 @@
 """The DuckDB ledger: ingest, derived intervals, rollups, retention, costs and the operator SQL guard.
 
-Threads: every write runs on one writer thread (:class:`LedgerThread`); operator SQL runs on a second
-thread through its own connection (``Ledger.reader``), inside a read-only transaction, so a slow query
-never holds up ingest and can be interrupted.
+Threads: every write runs on one writer thread (:class:`LedgerThread`); operator SQL runs on a small pool
+of reader threads, each with its own cursor (``Ledger.query_cursors``, sql_runner.py), inside a read-only
+transaction, so a slow query never holds up ingest and can be interrupted alone.
 
 The database is opened with ``enable_external_access = false`` and its configuration is locked once
 the connections exist: no statement run here (ours or an operator's) can read or write a file, attach
 a database, or install/load an extension. The Parquet export therefore copies rows into a separate
 in-memory DuckDB that may write files (:meth:`Ledger.export_parquet`).
+
+Operator SQL is checked twice before it runs (:func:`check_query`): one SELECT statement, and the
+functions it calls (sql_guard.py: ``checkpoint()`` and the like write even in a read-only transaction).
+A separate read-only connection to the file is not possible in this process (DuckDB refuses a second
+configuration of an open database), so the read-only transaction is the database-side layer.
+
+Files: the database file and its ``.wal`` are made 0600 (owner only) when opened and after every write
+batch (DuckDB creates a new ``.wal`` after each checkpoint with the process umask, which
+``llmgw accounting`` sets to 077), and a directory created for them is 0700.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import datetime as dt
-import decimal
+import json
 import math
 import os
+import stat
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -26,7 +36,7 @@ from typing import Any, TypeVar
 import duckdb
 
 from proto import CostsReport, EnergySample, UsageRecord
-from services.accounting import costs, schema
+from services.accounting import costs, schema, sql_guard, sql_values
 from services.accounting.device_stream import Part, StreamSample, split
 from services.accounting.intervals import Limits, Reading, Sample, TokenCount, sample_of
 from services.common.energy_counter import US_PER_S, epoch_us
@@ -104,19 +114,23 @@ class EnergyIngest:
     num_duplicates: int
 
 
-def jsonable(value: Any) -> Any:
-    """A value DuckDB returned, as JSON has it: timestamps and dates ISO 8601, DECIMAL a float, BLOB hex."""
-    if isinstance(value, dt.datetime | dt.date):
-        return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        return float(value)
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    return value
+jsonable = sql_values.json_value
+"""A value DuckDB returned, as JSON has it (sql_values.py: the one serialiser of both SQL answers)."""
+
+
+PRIVATE_FILE_MODE = 0o600
+PRIVATE_DIR_MODE = 0o700
+
+
+def make_private(*paths: Path) -> None:
+    """chmod each existing file to 0600 unless it is already (files other users could read: docs/deploy.md)."""
+    for path in paths:
+        try:
+            mode = stat.S_IMODE(path.stat().st_mode)
+            if mode != PRIVATE_FILE_MODE:
+                os.chmod(path, PRIVATE_FILE_MODE)
+        except FileNotFoundError:
+            continue
 
 
 def _connect(path: Path, read_only: bool) -> duckdb.DuckDBPyConnection:
@@ -162,12 +176,18 @@ def _hours(start_s: float, end_s: float) -> list[float]:
 class Ledger:
     """Synchronous DuckDB access. The writer methods belong to one thread, :meth:`query` to another."""
 
-    def __init__(self, path: Path, read_only: bool = False, limits: Limits | None = None) -> None:
+    def __init__(self, path: Path, read_only: bool = False, limits: Limits | None = None,
+                 num_query_cursors: int = 1) -> None:
         self.path = path
         self.limits = limits or Limits()
+        self.is_read_only = read_only
         if not read_only:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.parent.exists():
+                path.parent.mkdir(parents=True, mode=PRIVATE_DIR_MODE)
+            self.secure_files()  # an existing file from before this rule
         self.con = _connect(path, read_only)
+        if not read_only:
+            self.secure_files()
         if not read_only:
             self.con.execute(schema.TABLES)
             self.con.execute(schema.MIGRATIONS)
@@ -176,12 +196,28 @@ class Ledger:
             self.con.execute(schema.VIEWS)
         self.reader = self.con.cursor()
         self.reader.execute("SET TimeZone = 'UTC'")
+        self.query_cursors = [self.con.cursor() for _ in range(num_query_cursors)]
+        for cursor in self.query_cursors:
+            cursor.execute("SET TimeZone = 'UTC'")
+        self.guard = QueryGuard.of(self.con)
         # From here on no connection can change a setting: external access stays off.
         self.con.execute("SET lock_configuration = true")
 
     def close(self) -> None:
+        for cursor in self.query_cursors:
+            cursor.close()
         self.reader.close()
         self.con.close()
+
+    def secure_files(self) -> None:
+        """The database file and its WAL: 0600 (call after writes: a checkpoint removes the WAL, the next
+        write creates a new one)."""
+        if not self.is_read_only:
+            make_private(self.path, self.path.with_name(self.path.name + ".wal"))
+
+    def check(self, cursor: duckdb.DuckDBPyConnection, sql: str, max_sql_chars: int = 20_000) -> None:
+        """:func:`check_query` with this database's function rule."""
+        check_query(cursor, sql, max_sql_chars, self.guard)
 
     def _migrate_columns(self) -> None:
         """Run each ``schema.COLUMN_MIGRATIONS`` step whose column is missing, one transaction per step."""
@@ -693,11 +729,13 @@ class Ledger:
         """Run exactly one SELECT (or WITH … SELECT) on the reader connection, in a read-only transaction.
 
         Refused before it runs: more than ``max_sql_chars``, anything that does not parse, more than one
-        statement, any statement type but SELECT. What a SELECT could still try (a data-modifying CTE, a
-        file reader such as ``read_csv``) fails inside: the transaction is read-only and the database has
-        no external access. Call from one thread at a time; :meth:`interrupt` may come from any thread.
+        statement, any statement type but SELECT, a function sql_guard.py refuses. What a SELECT could
+        still try (a data-modifying CTE, a file reader such as ``read_csv``) fails inside: the transaction
+        is read-only and the database has no external access. Call from one thread at a time;
+        :meth:`interrupt` may come from any thread. Raw DuckDB values and no result cap: for in-process
+        callers (tests, benchmarks); operators' queries go through sql_runner.py.
         """
-        check_query(self.reader, sql, max_sql_chars)
+        self.check(self.reader, sql, max_sql_chars)
         cur = self.reader
         try:
             cur.execute("BEGIN TRANSACTION READ ONLY")
@@ -715,8 +753,26 @@ class Ledger:
         self.reader.interrupt()
 
 
-def check_query(con: duckdb.DuckDBPyConnection, sql: str, max_sql_chars: int) -> None:
-    """Raise :class:`QueryRejected` unless ``sql`` is one SELECT statement of at most ``max_sql_chars``."""
+@dataclass(frozen=True)
+class QueryGuard:
+    """This DuckDB's function names for sql_guard.py, read once from ``duckdb_functions()``."""
+
+    table_functions: frozenset[str]
+    denied: frozenset[str]
+
+    @classmethod
+    def of(cls, con: duckdb.DuckDBPyConnection) -> QueryGuard:
+        rows = con.execute("SELECT DISTINCT lower(function_name), function_type, has_side_effects "
+                           "FROM duckdb_functions()").fetchall()
+        tables = frozenset(n for n, kind, _ in rows if kind in ("table", "table_macro"))
+        side_effects = frozenset(n for n, kind, effects in rows if effects and kind not in ("table", "table_macro"))
+        return cls(table_functions=tables, denied=sql_guard.denied_functions(side_effects))
+
+
+def check_query(con: duckdb.DuckDBPyConnection, sql: str, max_sql_chars: int,
+                guard: QueryGuard | None = None) -> None:
+    """Raise :class:`QueryRejected` unless ``sql`` is one SELECT statement of at most ``max_sql_chars``
+    calling only functions the guard allows (sql_guard.py; ``guard`` None: read from ``con``)."""
     if len(sql) > max_sql_chars:
         raise QueryRejected(f"query is {len(sql)} characters; the limit is {max_sql_chars}")
     try:
@@ -727,25 +783,35 @@ def check_query(con: duckdb.DuckDBPyConnection, sql: str, max_sql_chars: int) ->
         raise QueryRejected(f"send exactly one statement (got {len(statements)})")
     if statements[0].type != duckdb.StatementType.SELECT:
         raise QueryRejected(f"only read-only SELECT queries are allowed (got {statements[0].type.name})")
+    try:
+        row = con.execute("SELECT json_serialize_sql($1)", [sql]).fetchone()
+        tree = json.loads(row[0]) if row is not None else {}
+    except (duckdb.Error, ValueError) as exc:
+        raise QueryRejected(f"cannot check this query: {exc}") from None
+    guard = guard or QueryGuard.of(con)
+    reason = sql_guard.refusal(tree, guard.table_functions, guard.denied)
+    if reason is not None:
+        raise QueryRejected(reason)
 
 
 class LedgerThread:
-    """Owns a :class:`Ledger`: writes on one dedicated thread, operator queries on another."""
+    """Owns a :class:`Ledger`: writes on one dedicated thread; operator queries on ``num_query_readers``
+    others (``self.queries``, sql_runner.py)."""
 
-    def __init__(self, path: Path, limits: Limits | None = None) -> None:
+    def __init__(self, path: Path, limits: Limits | None = None, num_query_readers: int = 1) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="duckdb")
-        self._query_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="duckdb-sql")
-        self.ledger: Ledger = self._pool.submit(Ledger, path, False, limits).result()
+        self.ledger: Ledger = self._pool.submit(Ledger, path, False, limits, num_query_readers).result()
 
     def submit(self, fn: Callable[[Ledger], T]) -> concurrent.futures.Future[T]:
-        return self._pool.submit(fn, self.ledger)
+        def write() -> T:
+            try:
+                return fn(self.ledger)
+            finally:
+                self.ledger.secure_files()  # a new WAL after a checkpoint is created with the umask's mode
 
-    def submit_query(self, sql: str, max_rows: int, max_sql_chars: int
-                     ) -> concurrent.futures.Future[tuple[list[str], list[tuple[Any, ...]]]]:
-        return self._query_pool.submit(self.ledger.query, sql, max_rows, max_sql_chars)
+        return self._pool.submit(write)
 
     def close(self) -> None:
         self.ledger.interrupt()
-        self._query_pool.shutdown(wait=True)
         self._pool.submit(self.ledger.close).result()
         self._pool.shutdown(wait=True)

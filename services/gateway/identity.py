@@ -24,6 +24,7 @@ hashing (see :func:`hash_password`).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
@@ -32,6 +33,7 @@ import math
 import os
 import secrets
 import sqlite3
+import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -275,8 +277,9 @@ class IdentityStore:
     """Users, sessions and keys in SQLite; API keys mirrored in memory for O(1) request checks."""
 
     def __init__(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True, mode=_PRIVATE_DIR_MODE)
         self.path = directory / "identity.db"
+        _make_private(directory, self.path)
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA foreign_keys=ON")
@@ -676,6 +679,24 @@ class IdentityStore:
             self.db.execute("BEGIN")
             self.db.execute("DELETE FROM limit_usage")
             self.db.executemany("INSERT INTO limit_usage VALUES (?, ?)", list(counters.items()))
+
+
+_PRIVATE_DIR_MODE = 0o700
+_PRIVATE_FILE_MODE = 0o600
+
+
+def _make_private(directory: Path, db: Path) -> None:
+    """Password hashes, key digests and sessions are the owner's alone: the directory 0700; ``db`` created
+    0600 before SQLite opens it (SQLite gives its -wal and -shm files the database file's mode), and an
+    existing database, WAL or shared-memory file from an older version made 0600 (docs/deploy.md)."""
+    if stat.S_IMODE(directory.stat().st_mode) != _PRIVATE_DIR_MODE:
+        os.chmod(directory, _PRIVATE_DIR_MODE)
+    with contextlib.suppress(FileExistsError):  # an empty file is a new database to SQLite
+        os.close(os.open(db, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _PRIVATE_FILE_MODE))
+    for path in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_IMODE(path.stat().st_mode) != _PRIVATE_FILE_MODE:
+                os.chmod(path, _PRIVATE_FILE_MODE)
 
 
 def _load_secret(path: Path) -> bytes:

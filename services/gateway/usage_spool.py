@@ -4,25 +4,42 @@ Records are appended length-prefixed to ``<dir>/usage.spool``. To resend, the sp
 ``usage.inflight`` and read back; it is deleted only after every record in it was acknowledged by the
 stream. A crash in between re-sends the same records later, which the stream's duplicate window and the
 ledger's request-id key both absorb: nothing is lost and nothing is counted twice.
+
+The records name API keys, users and models: the directory is 0700 and the files 0600 (owner only),
+created so and corrected at start when an older version left them readable (docs/deploy.md).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import struct
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">I")
+_FILE_MODE = 0o600
+_DIR_MODE = 0o700
+
+
+def _make_private(path: Path, mode: int) -> None:
+    try:
+        if stat.S_IMODE(path.stat().st_mode) != mode:
+            os.chmod(path, mode)
+    except FileNotFoundError:
+        pass
 
 
 class UsageSpool:
     def __init__(self, directory: Path, max_bytes: int = 256 * 1024 * 1024) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
         self.spool = directory / "usage.spool"
         self.inflight = directory / "usage.inflight"
+        _make_private(directory, _DIR_MODE)
+        for path in (self.spool, self.inflight):
+            _make_private(path, _FILE_MODE)
         self.max_bytes = max_bytes
         self.num_refused = 0
 
@@ -34,7 +51,7 @@ class UsageSpool:
             log.error("usage spool %s is full (%d bytes): a usage record could not be kept (%d so far)",
                       self.spool, size, self.num_refused)
             return False
-        with open(self.spool, "ab") as f:
+        with os.fdopen(os.open(self.spool, os.O_WRONLY | os.O_APPEND | os.O_CREAT, _FILE_MODE), "ab") as f:
             f.write(_LEN.pack(len(data)) + data)
             f.flush()
             os.fsync(f.fileno())
