@@ -34,7 +34,6 @@ class Breaker:
     probe_since_s: float | None = None
     last_failure: FailureKind | None = None
     failures_total: int = 0
-    opened_total: int = 0
 
     def state(self, now_s: float) -> BreakerState:
         if self.consecutive_failures == 0:
@@ -56,7 +55,6 @@ class Breaker:
     def on_failure(self, now_s: float, kind: FailureKind) -> None:
         self.consecutive_failures += 1
         self.failures_total += 1
-        self.opened_total += 1
         self.last_failure = kind
         cooldown = min(BASE_COOLDOWN_S * 2 ** (self.consecutive_failures - 1), MAX_COOLDOWN_S)
         self.opened_at_s = now_s

@@ -96,8 +96,9 @@ class PoolRoutes:
             self.day, self.today = day, collections.Counter()
         self.today[member_id] += 1
 
-    def today_of(self, member_id: str, now_s: float) -> int:
-        return self.today[member_id] if self.day == time.strftime("%Y-%m-%d", time.gmtime(now_s)) else 0
+    def today_counts(self, now_s: float) -> collections.Counter[str]:
+        """Today's (UTC) routes per member; empty once the day has turned. Asked once per decision."""
+        return self.today if self.day == time.strftime("%Y-%m-%d", time.gmtime(now_s)) else collections.Counter()
 
 
 def effective_weight(ref: MemberRef, hb: SlotHeartbeat | None) -> float:
@@ -177,6 +178,7 @@ class Router:
     def _states(self, resolved: ResolvedPool, fleet: Fleet, now_s: float) -> list[routing.MemberState]:
         out = []
         routes = self.routes.get(resolved.pool.name) or PoolRoutes()
+        today = routes.today_counts(now_s)
         for ref in resolved.members:
             rec = fleet.record(ref.member_id)
             hb, previous = rec.heartbeat, rec.previous
@@ -191,7 +193,7 @@ class Router:
                 previous=previous, received_s=rec.received_s, routed_total=rec.routed_total,
                 admitted=fleet.admitted(ref.member_id), in_flight=rec.in_flight,
                 is_down=fleet.is_down(ref.member_id, now_s), pending_prefill_chars=rec.pending_prefill_chars,
-                recent_routes=routes.recent.get(ref.member_id, 0.0), routes_today=routes.today_of(ref.member_id, now_s),
+                recent_routes=routes.recent.get(ref.member_id, 0.0), routes_today=today[ref.member_id],
             ))
         return out
 

@@ -101,7 +101,9 @@ class Setup:
 
 
 @contextlib.asynccontextmanager
-async def gateway_over(nats_server: EmbeddedNatsServer, tmp_path: Path, modes: list[str]) -> AsyncIterator[Setup]:
+async def gateway_over(nats_server: EmbeddedNatsServer, tmp_path: Path, modes: list[str],
+                       weights: list[float] | None = None) -> AsyncIterator[Setup]:
+    """One pool over members answering in ``modes``; capacity weights ``weights`` (default 8, 7, ...)."""
     async with contextlib.AsyncExitStack() as es:
         members = [Member(mode) for mode in modes]
         for m in members:
@@ -110,7 +112,8 @@ async def gateway_over(nats_server: EmbeddedNatsServer, tmp_path: Path, modes: l
         es.push_async_callback(nc.close)
         await ensure_bus(nc)
         config = pool_config.parse({"model_pools": {"m": {"members": [
-            {"model_id": "m", "backend": m.url, "capacity_weight": 8 - i} for i, m in enumerate(members)]}}})
+            {"model_id": "m", "backend": m.url, "capacity_weight": weights[i] if weights else 8 - i}
+            for i, m in enumerate(members)]}}})
         gateway = GatewayService(nc, GatewayConfig(gateway_id="gwf", port=0, data_dir=tmp_path), config)
         await es.enter_async_context(gateway.running())
         url = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
