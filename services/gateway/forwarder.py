@@ -243,12 +243,14 @@ class Forwarder:
                 self.router.record_success(decision, member_id, self.fleet, time.time())
                 if decision.reason == "affinity":
                     self.metrics.affinity_hits += 1
-            elif outcome.status == "error" and outcome.http_status >= 500:
+            elif outcome.status == "error" and outcome.http_status >= 500 and outcome.error_code != "request_timeout":
                 # it broke after the first byte (a lost stream, an engine error mid-answer): too late to fail
                 # over this request, but the breaker keeps the next ones away (issue #24: 6/6 went back to it)
                 self.fleet.failure(member_id, time.time(), "after_first_byte")
             else:
-                self.fleet.inconclusive(member_id)  # the client left, or a 4xx in the stream: says nothing
+                # the client left, a 4xx in the stream, or our own request timeout cut a member that was still
+                # answering (it is slow for this budget, not broken): says nothing about its health
+                self.fleet.inconclusive(member_id)
             return response
         if last_error is not None:
             raise last_error
