@@ -256,6 +256,7 @@ class Engine:
         self.cache: OrderedDict[int, None] = OrderedDict()
         self.is_stepping = False
         self.admitted = 0
+        self.evictions = 0  # LRU evictions of cached blocks, counted as our engine counts them
         self.seq = 0
         self.step_plan: list[tuple[Req, int]] = []
 
@@ -275,6 +276,7 @@ class Engine:
                 self.cache[k] = None
         while len(self.cache) > CACHE_BLOCKS:
             self.cache.popitem(last=False)
+            self.evictions += 1
 
     def accept(self, r: Req) -> bool:
         if len(self.waiting) >= MAX_WAITING:
@@ -337,7 +339,7 @@ class Engine:
         return SlotHeartbeat(
             worker_id=self.worker_id, session_id="s", seq=self.seq, ts_s=now, model_id="m", engine_kind="ninfer",
             lanes=LANES, running=len(self.running), waiting=len(self.waiting), max_pending=MAX_WAITING,
-            kv_usage=min(used / CACHE_BLOCKS, 1.0), kv_evictions_total=0, admitted_total=self.admitted,
+            kv_usage=min(used / CACHE_BLOCKS, 1.0), kv_evictions_total=self.evictions, admitted_total=self.admitted,
             admitted_by_gateway={GATEWAY_ID: self.admitted}, kv_capacity_tokens=CACHE_BLOCKS * BLOCK_TOKENS,
         )
 
@@ -366,7 +368,7 @@ class Policy:
     def routed_ok(self, r: Req, i: int, now: float) -> None:
         pass
 
-    def first_token(self, r: Req) -> None:
+    def first_token(self, r: Req, now: float) -> None:
         pass
 
     def book(self, i: int) -> None:
@@ -483,6 +485,7 @@ class Ours(Policy):
         self._last: tuple[RouteRequest, object] | None = None
         self.pending_chars = [0] * len(engines)
         self.expected_chars: dict[int, tuple[int, int]] = {}  # rid → (engine, uncached chars expected)
+        self.picks: dict[int, tuple[RouteRequest, object]] = {}  # rid → its routing decision, until first byte
 
     def choose(self, r: Req, now: float) -> int:
         members = [
@@ -508,13 +511,15 @@ class Ours(Policy):
         chars = request.prefix_keys[-1].prefix_chars - hit if request.prefix_keys else 0
         self.expected_chars[r.rid] = (i, chars)
         self.pending_chars[i] += chars
-        record_route(self.policy, request, p, self.ids[i], self.affinity, self.pins, now,  # type: ignore[arg-type]
-                     cache_capacity_chars(self.hb[i]))
+        self.picks[r.rid] = (request, p)
 
-
-    def first_token(self, r: Req) -> None:
+    def first_token(self, r: Req, now: float) -> None:
+        # the gateway's order (services/gateway/forwarder.py): affinity and pins recorded at the first byte
         i, chars = self.expected_chars.pop(r.rid)
         self.pending_chars[i] -= chars
+        request, p = self.picks.pop(r.rid)
+        record_route(self.policy, request, p, self.ids[i], self.affinity, self.pins, now,  # type: ignore[arg-type]
+                     cache_capacity_chars(self.hb[i]))
 
 
 POLICIES: dict[str, type[Policy]] = {
@@ -598,7 +603,7 @@ def simulate(workload_name: str, load: float, policy_name: str, duration_s: floa
             e.is_stepping = False
             started, finished = e.finish_step(now)
             for r in started:
-                policy.first_token(r)
+                policy.first_token(r, now)
             for r in finished:
                 policy.unbook(r.engine, admitted=True)
                 done.append(r)

@@ -34,19 +34,30 @@ NINFER_PRESSURE_WEIGHT = 0.10
 KV_HIGH_WATER = 0.9
 
 
-def _counter_rose(hb: SlotHeartbeat, previous: SlotHeartbeat | None) -> bool:
+# Kinds whose ``kv_evictions_total`` counts KV taken from live work (the native fork's
+# ``health.sessions_evicted``: a session's cache dropped to make room), which is pressure. Our engine's counts
+# LRU evictions of *unused* cached prefix blocks, which a full prefix cache does on every new prefill: that says
+# nothing about load (issue #29: counted, a member turned "busy" and lost its affinity credit whenever an
+# eviction fell in the last heartbeat interval, 18 % of observations at 0.25 s heartbeats).
+EVICTIONS_ARE_PRESSURE = frozenset({"native"})
+
+
+def _counter_rose(kind: str, hb: SlotHeartbeat, previous: SlotHeartbeat | None) -> bool:
+    """Spills, preemptions (and, for :data:`EVICTIONS_ARE_PRESSURE` kinds, evictions) since the previous
+    heartbeat of the same session: the engine ran out of KV for running work."""
     if previous is None or previous.session_id != hb.session_id:
         return False
-    pairs = (
+    pairs = [
         (hb.kv_spills_total, previous.kv_spills_total),
-        (hb.kv_evictions_total, previous.kv_evictions_total),
         (hb.preemptions_total, previous.preemptions_total),
-    )
+    ]
+    if kind in EVICTIONS_ARE_PRESSURE:
+        pairs.append((hb.kv_evictions_total, previous.kv_evictions_total))
     return any(now is not None and before is not None and now > before for now, before in pairs)
 
 
-def _kv_pressure(hb: SlotHeartbeat, previous: SlotHeartbeat | None, kv_high_water: float) -> float:
-    if _counter_rose(hb, previous):
+def _kv_pressure(kind: str, hb: SlotHeartbeat, previous: SlotHeartbeat | None, kv_high_water: float) -> float:
+    if _counter_rose(kind, hb, previous):
         return 1.0
     if hb.kv_usage is not None and hb.kv_usage >= kv_high_water:
         return hb.kv_usage
@@ -76,4 +87,5 @@ def heartbeat_load(kind: str, hb: SlotHeartbeat, previous: SlotHeartbeat | None,
                 + VLLM_WAITING_WEIGHT * min(waiting, VLLM_WAITING_CAP) / VLLM_WAITING_CAP)
     lane_p = 1.0 if waiting > 0 else min(running / lanes, 1.0)
     queue_p = min(waiting / max(lanes / 2, 1), 1.0)
-    return lane_weight * lane_p + queue_weight * queue_p + pressure_weight * _kv_pressure(hb, previous, kv_high_water)
+    kv_p = _kv_pressure(kind, hb, previous, kv_high_water)
+    return lane_weight * lane_p + queue_weight * queue_p + pressure_weight * kv_p

@@ -162,7 +162,6 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     now: float, source: str = "") -> None:
         """Queue a request. Raises InvalidParameterError, ContextLengthExceededError, QueueFullError."""
-        self.admitted_by_source[source] += 1  # counts every request received, refused or not
         if not prompt_token_ids:
             raise InvalidParameterError("prompt", "", "the prompt encodes to no tokens")
         params.validate()
@@ -178,6 +177,10 @@ class EngineCore:
             IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_token_ids), StopChecker(params.stop), generator
         )
         self.admitted_total += 1
+        # Admitted only: a refusal (bad parameters, context, 429 queue full) is never counted, as the gateway
+        # un-books what a member refused (docs/routing.md §2, issue #29: counting refusals here while the
+        # gateway un-counted them drove routed - admitted negative after any 429)
+        self.admitted_by_source[source] += 1
         self.prompt_tokens_total += len(prompt_token_ids)
 
     def abort(self, request_id: str, now: float) -> RequestOutput | None:

@@ -209,7 +209,14 @@ class Forwarder:
             self.fleet.book(member_id)
             self.fleet.attempt(member_id, time.time())
             self.fleet.add_pending_prefill(member_id, pending)
-            first_byte = _Once(functools.partial(self.fleet.add_pending_prefill, member_id, -pending))
+            prefill_done = _Once(functools.partial(self.fleet.add_pending_prefill, member_id, -pending))
+            # Affinity and pins are recorded at the first byte (docs/routing.md §4; issue #29: recorded after the
+            # whole answer, a tenant's next requests did not know for seconds where its prefix was)
+            recorded = _Once(functools.partial(self._record_route, decision, member_id))
+
+            def first_byte(prefill_done: _Once = prefill_done, recorded: _Once = recorded) -> None:
+                prefill_done()
+                recorded()
             try:
                 if ref.kind == "bus":
                     response = await self._via_bus(request, parsed, ref, request_id, api_key_id, outcome, first_byte)
@@ -236,11 +243,11 @@ class Forwarder:
                 self.metrics.failovers[member_id] += 1
                 continue
             finally:
-                first_byte()
+                prefill_done()
                 self.fleet.release(member_id)
             if outcome.status == "ok":
                 self.fleet.success(member_id)
-                self.router.record_success(decision, member_id, self.fleet, time.time())
+                recorded()  # an answer whose first byte was not seen as such (e.g. a JSON reply)
                 if decision.reason == "affinity":
                     self.metrics.affinity_hits += 1
             elif outcome.status == "error" and outcome.http_status >= 500 and outcome.error_code != "request_timeout":
@@ -259,6 +266,9 @@ class Forwarder:
         outcome.member_id = ""
         raise HTTPError(503, f"no engine of '{parsed.model}' can take the request right now; retry shortly",
                         code="no_backend_available", retry_after_s=5)
+
+    def _record_route(self, decision: routing_adapter.Decision, member_id: str) -> None:
+        self.router.record_success(decision, member_id, self.fleet, time.time())
 
     def _on_final(self, outcome: Outcome) -> Callable[[TokenChunk, float | None], None]:
         def on_final(chunk: TokenChunk, ttft_ms: float | None) -> None:

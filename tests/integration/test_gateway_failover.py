@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,14 +27,16 @@ from tests.integration.conftest import wait_for
 
 @dataclass
 class Member:
-    """An OpenAI-shaped fixture server whose chat answer is ``mode``: ok, 500, 429, 408, or cut (the status
-    line and part of the body, then the connection dropped)."""
+    """An OpenAI-shaped fixture server whose chat answer is ``mode``: ok, 500, 429, 408, cut (the status
+    line and part of the body, then the connection dropped) or hold (a stream that waits after its first
+    events until ``release`` is set)."""
 
     mode: str = "ok"
     hits: int = 0
     url: str = ""
     seen_paths: list[str] = field(default_factory=list)
     bodies: list[dict] = field(default_factory=list)  # type: ignore[type-arg]
+    release: asyncio.Event = field(default_factory=asyncio.Event)  # mode "hold": the stream's rest waits for it
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
@@ -79,6 +82,13 @@ class Member:
             await asyncio.sleep(0.05)
             assert request.transport is not None
             request.transport.close()
+            return resp
+        if self.mode == "hold":  # the first two events, then the rest once the test releases it
+            held_at = wire.index(b"data: ", wire.index(b"hel"))
+            await resp.write(wire[:held_at])
+            await self.release.wait()
+            await resp.write(wire[held_at:])
+            await resp.write_eof()
             return resp
         for start in range(0, len(wire), 37):  # 37 bytes at a time: most pieces end mid-line
             await resp.write(wire[start:start + 37])
@@ -245,3 +255,21 @@ async def test_a_stream_the_member_drops_ends_with_an_error_event_and_is_recorde
             assert (record.status, record.http_status, record.error_code) == ("error", 502, "upstream_error")
         finally:
             await reader.close()
+
+
+async def test_the_session_pin_is_written_at_the_first_byte_not_after_the_answer(nats_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # issue #29: recorded only after the whole answer, a tenant's next requests did not know for the seconds a
+    # long answer takes where its prefix was
+    async with gateway_over(nats_server, tmp_path, ["hold", "ok"]) as s:
+        held = s.members[0]
+        stream = await s.api.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+            extra_headers={"X-Session-Id": "tenant-1"})
+        chunks = aiter(stream)
+        first = await anext(chunks)
+        assert first.choices[0].delta.role == "assistant"
+        member_id = pool_config.member_id_for(held.url)
+        assert s.gateway.router.pins.get("tenant-1", time.time()) == member_id  # still streaming
+        held.release.set()
+        text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+        assert text == "hello wörld"

@@ -104,14 +104,16 @@ def test_abort_frees_blocks_and_typed_admission_errors(tiny_model: Path) -> None
     clock = FakeClock()
     core = EngineCore(EngineConfig(model_path=tiny_model, kv_capacity_tokens=256, block_size=4,
                                    max_concurrency=1, max_pending_requests=1, max_context=128))
-    core.add_request("a", list(range(3, 30)), greedy(50), clock())
+    core.add_request("a", list(range(3, 30)), greedy(50), clock(), source="gw")
     core.step(clock)
     assert core.scheduler.stats().num_kv_blocks_used > 0
-    core.add_request("b", list(range(3, 10)), greedy(5), clock())
+    core.add_request("b", list(range(3, 10)), greedy(5), clock(), source="gw")
     with pytest.raises(QueueFullError):
-        core.add_request("c", list(range(3, 10)), greedy(5), clock())
+        core.add_request("c", list(range(3, 10)), greedy(5), clock(), source="gw")
     with pytest.raises(ContextLengthExceededError):
-        core.add_request("d", list(range(3, 100)), greedy(100), clock())
+        core.add_request("d", list(range(3, 100)), greedy(100), clock(), source="gw")
+    # refusals are not admissions: the gateway un-books them, so the engine must not count them (issue #29)
+    assert core.admitted_by_source["gw"] == 2 and core.admitted_total == 2
     aborted = core.abort("a", clock())
     assert aborted is not None and aborted.finish_reason == "abort"
     core.abort("b", clock())
