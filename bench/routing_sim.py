@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from proto import SlotHeartbeat  # noqa: E402
+from services.gateway.fleet import Fleet  # noqa: E402
 from services.gateway.routing import (  # noqa: E402
     AffinityTable,
     MemberState,
@@ -68,7 +69,7 @@ STEP_PER_SEQ_S = 0.0006  # decode step time grows mildly with the batch
 PREFILL_PER_TOKEN_S = 0.00008  # 12.5k prompt tok/s
 HEARTBEAT_S = 0.5
 GO_POLL_S = 10.0
-CHARS_PER_TOKEN = 4
+CHARS_PER_TOKEN = 4.0  # of the simulated text (--chars-per-token): real text runs 3-6 (issue #29)
 GATEWAY_ID = "gw-sim"
 
 
@@ -141,7 +142,7 @@ class Texts:
         seg = self.next_id
         self.next_id += 1
         head = f"{tag}-{seg}:"
-        return seg, tokens, head + "x" * max(0, tokens * CHARS_PER_TOKEN - len(head))
+        return seg, tokens, head + "x" * max(0, int(tokens * CHARS_PER_TOKEN) - len(head))
 
 
 @dataclass
@@ -235,7 +236,7 @@ def make_workload(name: str, load: float, duration_s: float, seed: int) -> Workl
         assert session is not None
         if prev.rejected or session.turns_left <= 0:
             return None
-        text = "assistant-" + str(prev.out_seg) + ":" + "y" * (prev.output_tokens * CHARS_PER_TOKEN)
+        text = "assistant-" + str(prev.out_seg) + ":" + "y" * int(prev.output_tokens * CHARS_PER_TOKEN)
         session.history.append((prev.out_seg, prev.output_tokens, "assistant", text))
         return turn(session, now + rng.expovariate(1 / think_mean_s))
 
@@ -486,6 +487,7 @@ class Ours(Policy):
         self.pending_chars = [0] * len(engines)
         self.expected_chars: dict[int, tuple[int, int]] = {}  # rid → (engine, uncached chars expected)
         self.picks: dict[int, tuple[RouteRequest, object]] = {}  # rid → its routing decision, until first byte
+        self.fleet = Fleet(GATEWAY_ID)  # the gateway's per-member characters per token, learned as it learns them
 
     def choose(self, r: Req, now: float) -> int:
         members = [
@@ -494,6 +496,7 @@ class Ours(Policy):
                 previous=self.prev[i], received_s=self.hb_s[i], routed_total=self.routed[i],
                 admitted=self.hb[i].admitted_by_gateway.get(GATEWAY_ID) if self.hb[i] is not None else None,
                 in_flight=self.in_flight[i], pending_prefill_chars=self.pending_chars[i],
+                chars_per_token=self.fleet.record(self.ids[i]).chars_per_token,
             )
             for i in range(len(self.engines))
         ]
@@ -518,8 +521,10 @@ class Ours(Policy):
         i, chars = self.expected_chars.pop(r.rid)
         self.pending_chars[i] -= chars
         request, p = self.picks.pop(r.rid)
+        cpt = self.fleet.record(self.ids[i]).chars_per_token
         record_route(self.policy, request, p, self.ids[i], self.affinity, self.pins, now,  # type: ignore[arg-type]
-                     cache_capacity_chars(self.hb[i]))
+                     cache_capacity_chars(self.hb[i], cpt))
+        self.fleet.note_prompt(self.ids[i], sum(len(m["content"]) for m in r.messages), r.prompt_tokens)
 
 
 POLICIES: dict[str, type[Policy]] = {
@@ -733,7 +738,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--loads", default=",".join(str(x) for x in LOADS))
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--chars-per-token", type=float, default=4.0,
+                    help="characters per token of the simulated text (real text: 3-6)")
     args = ap.parse_args(argv)
+    globals()["CHARS_PER_TOKEN"] = args.chars_per_token
     duration_s, warmup_s = (60.0, 10.0) if args.quick else (240.0, 20.0)
     results = []
     t0 = time.perf_counter()
@@ -745,7 +753,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in verdict(results):
         print(line)
-    print(f"\n{len(results)} runs in {time.perf_counter() - t0:.1f} s (seed {args.seed}, {duration_s:.0f} s arrivals)")
+    print(f"\n{len(results)} runs in {time.perf_counter() - t0:.1f} s (seed {args.seed}, {duration_s:.0f} s arrivals, "
+          f"{args.chars_per_token:g} characters per token)")
     if not args.no_plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")

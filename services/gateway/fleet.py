@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 BUS_BACKEND = "nats"
 DOWN_AFTER_FAILURE_S = BASE_COOLDOWN_S  # a member that failed a request is skipped at least this long
 HISTORY_POINTS = 60
+CPT_MIN_TOKENS = 32  # prompts at least this long teach the gateway a member's characters per token
+CPT_ALPHA = 0.1  # the weight of each new prompt in the running average
+CPT_BOUNDS = (1.0, 12.0)  # clamp: a garbled count cannot make a cache look empty or infinite
 
 
 @dataclass
@@ -36,6 +39,8 @@ class MemberRecord:
     pending_prefill_chars: int = 0
     breaker: Breaker = field(default_factory=Breaker)  # fed by request outcomes (breaker.py)
     load_history: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=HISTORY_POINTS))
+    # prompt characters per token, measured from the member's own answers (an average over recent prompts)
+    chars_per_token: float | None = None
 
 
 @dataclass
@@ -95,6 +100,17 @@ class Fleet:
         """The member refused before admitting (429, connect error): it will never count this one."""
         rec = self.record(member_id)
         rec.routed_total = max(0, rec.routed_total - 1)
+
+    def note_prompt(self, member_id: str, prompt_chars: int, prompt_tokens: int | None) -> None:
+        """The member counted ``prompt_tokens`` for a prompt of ``prompt_chars`` characters (as the gateway
+        measures prompts: message contents): update its characters per token (docs/routing.md §3). Prompts
+        shorter than :data:`CPT_MIN_TOKENS` are skipped (the chat template's own tokens dominate them)."""
+        if prompt_tokens is None or prompt_tokens < CPT_MIN_TOKENS or prompt_chars <= 0:
+            return
+        ratio = min(max(prompt_chars / prompt_tokens, CPT_BOUNDS[0]), CPT_BOUNDS[1])
+        rec = self.record(member_id)
+        rec.chars_per_token = ratio if rec.chars_per_token is None else (
+            (1 - CPT_ALPHA) * rec.chars_per_token + CPT_ALPHA * ratio)
 
     def add_pending_prefill(self, member_id: str, chars: int) -> None:
         rec = self.record(member_id)

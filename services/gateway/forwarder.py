@@ -191,7 +191,7 @@ class Forwarder:
                             code="context_length_exceeded", param="messages")
         refs = {r.member_id: r for r in resolved.members}
         outcome.meter.prompt_tokens_estimate = decision.request.prompt_tokens
-        prompt_chars = decision.request.prompt_tokens * routing.CHARS_PER_TOKEN
+        prompt_chars = routing_adapter.prompt_chars(parsed)
         last_error: HTTPError | None = None
         credentials_error: HTTPError | None = None  # a member refused the gateway's key: say so if none accepts
         for attempt, member_id in enumerate(decision.ranked):
@@ -245,6 +245,8 @@ class Forwarder:
             finally:
                 prefill_done()
                 self.fleet.release(member_id)
+            if outcome.meter.admitted:  # the member's own count teaches its characters per token
+                self.fleet.note_prompt(member_id, prompt_chars, outcome.meter.prompt_tokens)
             if outcome.status == "ok":
                 self.fleet.success(member_id)
                 recorded()  # an answer whose first byte was not seen as such (e.g. a JSON reply)

@@ -32,8 +32,10 @@ __all__ = [
     "unseen_bookings",
 ]
 
-# Prompt characters per token: a rough size estimate where only text is at hand (the max_context filter,
-# an engine's cache size in characters); the engine counts exactly.
+# Prompt characters per token where nothing better is known (the max_context filter; a member before its
+# first answer). Per member the gateway measures it from its answers (``MemberState.chars_per_token``,
+# fleet.py ``note_prompt``): text at ~5.7 characters per token made a fixed 4 underestimate what a cache
+# holds (issue #29: multi-tenant p90 6x worse).
 CHARS_PER_TOKEN = 4
 
 # capacity_bias 0.1 (the default) credits a member one open request's cost per route it is behind its weight
@@ -57,8 +59,9 @@ class PoolPolicy:
     pulled towards its ``capacity_weight``'s share, among members with free lanes (§3, "Weighted split").
     ``max_pool_share`` (0 = off): a member past this share of today's routes ranks after its siblings for
     new conversations (no pin, no cached prefix anywhere), as the Go gateway does. ``affinity_weight``: cost
-    subtracted for a cached prefix of ``affinity_full_chars`` characters or more (linearly less for shorter
-    ones); affinity counts only while the member's load is below ``affinity_busy_guard``. ``backlog_weight``:
+    subtracted for a cached prefix of ``affinity_full_chars / CHARS_PER_TOKEN`` tokens or more (2,000 by
+    default; a member's prefix in characters is read at its measured characters per token; linearly less for
+    shorter ones); affinity counts only while the member's load is below ``affinity_busy_guard``. ``backlog_weight``:
     cost per waiting request beyond lanes/2, per lane (the queue the load score no longer sees).
     ``prefill_weight``: cost of prefill already queued by this gateway, at the affinity exchange rate.
     Defaults: docs/routing.md §3 (tuned with bench/routing_sim.py, §7).
@@ -107,6 +110,11 @@ class MemberState:
     # this gateway's routes to the member in this pool: decayed (about the last 100 routes), and today's (UTC)
     recent_routes: float = 0.0
     routes_today: int = 0
+    chars_per_token: float | None = None  # measured from this member's answers; None: CHARS_PER_TOKEN
+
+    def tokens(self, chars: int) -> float:
+        """Prompt characters as this member's tokens."""
+        return chars / (self.chars_per_token or CHARS_PER_TOKEN)
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs twice as much, per request
@@ -230,6 +238,9 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
 
     sheets: dict[str, Candidate] = {}
     lanes_of: dict[str, tuple[float, float, float]] = {}  # free members: (lanes, active, lane coefficient)
+    # the full affinity credit is earned by affinity_full_chars at CHARS_PER_TOKEN, i.e. in tokens: a prefix is
+    # weighed by the prefill it saves on the member that holds it, at that member's characters per token
+    full_tokens = policy.affinity_full_chars / CHARS_PER_TOKEN
     for m in members:
         mid = m.member_id
         age_s = now_s - m.received_s if m.heartbeat is not None and m.received_s is not None else None
@@ -254,7 +265,7 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
         saving, guarded = 0.0, False
         if hit is not None:
             if load < policy.affinity_busy_guard:
-                saving = policy.affinity_weight * min(hit.prefix_chars / policy.affinity_full_chars, 1.0)
+                saving = policy.affinity_weight * min(m.tokens(hit.prefix_chars) / full_tokens, 1.0)
             else:
                 guarded = True
         is_busy = load >= policy.overflow_threshold
@@ -262,7 +273,7 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
         if mid == pinned and not is_busy:
             pin = policy.sticky_bias * (1.0 if request.is_session_header else policy.api_key_sticky)
         backlog = policy.backlog_weight * _backlog(m, booked) if basis == "heartbeat" else 0.0
-        prefill = policy.prefill_weight * policy.affinity_weight * m.pending_prefill_chars / policy.affinity_full_chars
+        prefill = policy.prefill_weight * policy.affinity_weight * m.tokens(m.pending_prefill_chars) / full_tokens
         cost = load + in_flight_term + backlog + prefill - saving - pin
         free = None if is_busy else _free_lanes(m, basis, booked, weights)
         if free is not None:
@@ -382,11 +393,12 @@ def _mark_over_pool_share(max_share: float, eligible: Sequence[MemberState], she
             sheets[mid].over_pool_share = True
 
 
-def cache_capacity_chars(hb: SlotHeartbeat | None) -> int | None:
-    """How much prompt text a member's KV cache holds, from its heartbeat; None when it does not say."""
+def cache_capacity_chars(hb: SlotHeartbeat | None, chars_per_token: float | None = None) -> int | None:
+    """How much prompt text a member's KV cache holds: its heartbeat's capacity in tokens at the member's
+    measured characters per token (else :data:`CHARS_PER_TOKEN`); None when it does not say."""
     if hb is None or not hb.kv_capacity_tokens:
         return None
-    return hb.kv_capacity_tokens * CHARS_PER_TOKEN
+    return int(hb.kv_capacity_tokens * (chars_per_token or CHARS_PER_TOKEN))
 
 
 def record_route(policy: PoolPolicy, request: RouteRequest, pick_: Pick, served_by: str,

@@ -194,6 +194,7 @@ class Router:
                 admitted=fleet.admitted(ref.member_id), in_flight=rec.in_flight,
                 is_down=fleet.is_down(ref.member_id, now_s), pending_prefill_chars=rec.pending_prefill_chars,
                 recent_routes=routes.recent.get(ref.member_id, 0.0), routes_today=today[ref.member_id],
+                chars_per_token=rec.chars_per_token,
             ))
         return out
 
@@ -211,9 +212,10 @@ class Router:
         return Decision(pick, request, policy, resolved.pool.name)
 
     def record_success(self, decision: Decision, member_id: str, fleet: Fleet, now_s: float) -> None:
+        rec = fleet.record(member_id)
         self.routes.setdefault(decision.pool, PoolRoutes()).record(member_id, now_s)
         routing.record_route(decision.policy, decision.request, decision.pick, member_id, self.affinity,
-                             self.pins, now_s, routing.cache_capacity_chars(fleet.record(member_id).heartbeat))
+                             self.pins, now_s, routing.cache_capacity_chars(rec.heartbeat, rec.chars_per_token))
 
     def describe_member(self, resolved: ResolvedPool, ref: MemberRef, fleet: Fleet, now_s: float,
                         stale_after_s: float) -> dict[str, Any]:
@@ -234,6 +236,7 @@ class Router:
             "energy_today_wh": hb.energy_today_wh if hb else None,
             "cache_hit_pct": (100.0 * (hb.prompt_tokens_hit_total or 0) / queried) if hb and queried else None,
             "capacity_weight": effective_weight(ref, hb), "down": fleet.is_down(ref.member_id, now_s),
+            "chars_per_token": round(rec.chars_per_token, 3) if rec.chars_per_token else None,
             "breaker": rec.breaker.describe(now_s),
             "breaker_state": STATE_CODE[rec.breaker.state(now_s)],
         }

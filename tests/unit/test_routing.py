@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto import SlotHeartbeat
+from services.gateway.fleet import Fleet
 from services.gateway.load_score import stale_limit_s
 from services.gateway.routing import (
     AffinityTable,
@@ -382,6 +383,37 @@ def test_affinity_is_a_cost_a_long_cached_prefix_beats_a_slightly_less_loaded_me
     assert sheet(p, "a").affinity_saving == pytest.approx(0.6 * 1)
     assert sheet(p, "a").cost == pytest.approx(0.75 * 3 / 8 - 0.6)
     assert p.member_id == "a" and p.reason == "affinity"
+
+
+def test_affinity_credit_is_in_the_members_tokens_and_its_cache_bound_at_its_measured_characters_per_token(
+        ) -> None:
+    # issue #29: text at ~5.7 characters per token; a fixed 4 undervalued a prefix and underestimated the cache
+    table = AffinityTable()
+    keys = prefix_hashes(conversation("S" * 6000, "q"))
+    table.record(keys, "a", NOW)
+    at4 = choose([member(hb("a")), member(hb("b"))], RouteRequest(prefix_keys=keys), PLAIN, affinity=table)
+    assert sheet(at4, "a").affinity_saving == pytest.approx(0.6 * 6001 / 8000)
+    dense = member(hb("a"))
+    dense.chars_per_token = 3.0  # 6001 characters are 2,000 tokens of prefill saved: the full credit
+    p = choose([dense, member(hb("b"))], RouteRequest(prefix_keys=keys), PLAIN, affinity=table)
+    assert sheet(p, "a").affinity_saving == pytest.approx(0.6)
+    cache = SlotHeartbeat(worker_id="a", session_id="s", seq=1, ts_s=0.0, model_id="m", kv_capacity_tokens=1000)
+    assert cache_capacity_chars(cache) == 4000 and cache_capacity_chars(cache, 5.7) == 5700
+
+
+def test_the_fleet_learns_a_members_characters_per_token_from_its_counts() -> None:
+    fleet = Fleet("gw")
+    fleet.note_prompt("a", 100, 10)  # too short to teach anything (the template's tokens dominate)
+    assert fleet.record("a").chars_per_token is None
+    fleet.note_prompt("a", 5700, 1000)
+    assert fleet.record("a").chars_per_token == pytest.approx(5.7)
+    for _ in range(60):
+        fleet.note_prompt("a", 3000, 1000)
+    assert fleet.record("a").chars_per_token == pytest.approx(3.0, abs=0.01)
+    fleet.note_prompt("c", 10**9, 40)  # a garbled count is clamped
+    assert fleet.record("c").chars_per_token == 12.0
+    fleet.note_prompt("b", 5000, None)  # the member never said
+    assert fleet.record("b").chars_per_token is None
 
 
 def test_affinity_is_a_cost_a_short_cached_prefix_does_not_beat_a_less_loaded_member() -> None:
