@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--price-book", help='JSON file: {"<model or *>": {"prompt_usd_per_m": …, '
                                              '"cached_usd_per_m": …, "output_usd_per_m": …}} '
                                              "(default: the pools file's price_book)")
-    parser.add_argument("--config", default=os.environ.get("LLMGW_CONFIG"),
+    parser.add_argument("--config", default=os.environ.get("LLMGW_CONFIG") or None,
                         help="the gateway's pools file, for the electricity rate and price book (default: "
                              "$LLMGW_CONFIG, else DATA_DIR/pools.json when present); later edits arrive over "
                              "the bus from the gateway's Config page")

@@ -86,11 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep <think> blocks of earlier assistant turns in the prompt")
     parser.add_argument("--electricity-rate", type=float, default=0.125, help="USD per kWh for /usage costs")
     parser.add_argument("--metrics-state", type=Path, help="file that persists token totals and daily energy")
-    parser.add_argument("--api-key", default=os.environ.get("NINFER_API_KEY"),
+    parser.add_argument("--api-key", default=os.environ.get("NINFER_API_KEY") or None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (also $NINFER_API_KEY)")
     parser.add_argument("--nats", help="join the bus as a worker at this NATS URL (also $NATS_URL)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("LLMGW_ENGINE_THREADS", "0")) or None,
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("LLMGW_ENGINE_THREADS") or "0") or None,
                         help="torch CPU threads for the model (default on the CPU: every core; with "
                              "--in-process one fewer, so the event loop keeps a core; also $LLMGW_ENGINE_THREADS)")
     parser.add_argument("--stream-interval-ms", type=_stream_interval, default=20.0, metavar="MS",

@@ -34,10 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=int(os.environ["LLMGW_PORT"]) if os.environ.get("LLMGW_PORT")
                         else None, help=f"listen port (0 picks a free one; default: $LLMGW_PORT, else the pools "
                                         f"file's gateway.port, else {DEFAULT_PORT})")
-    parser.add_argument("--gateway-id", default=os.environ.get("LLMGW_GATEWAY_ID"))
+    parser.add_argument("--gateway-id", default=os.environ.get("LLMGW_GATEWAY_ID") or None)
     parser.add_argument("--nats", help="NATS URL (default: $NATS_URL, else an embedded server)")
     parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
-    parser.add_argument("--config", default=os.environ.get("LLMGW_CONFIG"),
+    parser.add_argument("--config", default=os.environ.get("LLMGW_CONFIG") or None,
                         help="pools file (JSON; see docs/architecture.md); reloaded on change (also $LLMGW_CONFIG)")
     parser.add_argument("--stale-after", type=float, default=None,
                         help="seconds before a heartbeat is stale (default: the pools file's "

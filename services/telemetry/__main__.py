@@ -26,7 +26,7 @@ from services.telemetry.service import TelemetryConfig, TelemetryService
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--member", action="append", default=[], metavar="ID=URL",
                         help="an HTTP engine to watch (repeatable; also $LLMGW_TELEMETRY_MEMBERS, comma-separated)")
-    parser.add_argument("--config", default=os.environ.get("LLMGW_CONFIG"),
+    parser.add_argument("--config", default=os.environ.get("LLMGW_CONFIG") or None,
                         help="the gateway's pools file: its HTTP members are watched (also $LLMGW_CONFIG)")
     parser.add_argument("--discover", action="append", default=[], metavar="HOST:PORT-PORT",
                         help="probe these ports with GET /v1/models and watch what answers (repeatable)")
