@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 THROUGHPUT_WINDOW_S = 5.0
 
 
+# Decode tok/s of an fp8 KV cache over the default on the CPU, concurrency 1 (bench/kv_dtype.py; the figure and
+# the machine are in docs/benchmarks.md): quoted by the start line when fp8 KV runs on the CPU.
+CPU_FP8_DECODE_SLOWDOWN = 20
+
 @dataclass
 class _RequestState:
     detokenizer: IncrementalDetokenizer
@@ -391,4 +395,16 @@ class EngineCore:
             f"max context {self.max_context}; CUDA graphs {self.cuda_graphs}; "
             f"stream interval {self.config.stream_interval_ms:g} ms"
             f"{self.speculator.describe() if self.speculator is not None else ''}"
+            f"{self._fp8_cpu_note()}"
         )
+
+    def _fp8_cpu_note(self) -> str:
+        """fp8 KV on the CPU trades speed for capacity: say how much (issue #30: ~25x slower without a word)."""
+        if self.config.kv_dtype != "fp8" or self.device.type != "cpu":
+            return ""
+        spec = self.kv_cache.spec
+        gain = spec.dtype.itemsize * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim / spec.bytes_per_token
+        return (f"; NOTE fp8 KV on the CPU holds {gain:g}x the tokens of {str(spec.dtype).removeprefix('torch.')} "
+                f"in the same memory but decodes without the compiled CPU kernels: about "
+                f"{CPU_FP8_DECODE_SLOWDOWN:g}x slower at concurrency 1 (measured with bench/kv_dtype.py, "
+                f"docs/benchmarks.md); use --kv-dtype auto unless capacity matters more than speed")

@@ -136,3 +136,13 @@ def test_stop_strings_are_cut_from_the_text(tiny_model: Path) -> None:
         outs += core.step(clock)
     assert "".join(o.text for o in outs) == text[: text.index(stop)]
     assert outs[-1].finish_reason == "stop"
+
+
+def test_the_start_line_says_what_fp8_kv_costs_on_the_cpu(tiny_model: Path) -> None:
+    # issue #30: fp8 KV on the CPU was ~25x slower than the default without a word
+    config = dict(model_path=tiny_model, kv_capacity_tokens=256, block_size=4, max_concurrency=1, max_context=64)
+    plain = EngineCore(EngineConfig(**config)).describe()  # type: ignore[arg-type]
+    assert "NOTE fp8" not in plain
+    line = EngineCore(EngineConfig(**config, kv_dtype="fp8")).describe()  # type: ignore[arg-type]
+    assert "NOTE fp8 KV on the CPU holds 4x the tokens of float32" in line
+    assert "bench/kv_dtype.py" in line and "--kv-dtype auto" in line
