@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="callers from this network may run inference without an API key (repeatable; also "
                              "$LLMGW_TRUST_NETWORKS, comma-separated). Nothing is trusted by default, not even "
                              "loopback")
+    parser.add_argument("--max-in-flight", type=int, default=GatewayConfig.max_in_flight,
+                        help="inference requests this process holds open before new ones get an immediate 503 "
+                             "gateway_overloaded with Retry-After (default %(default)s)")
+    parser.add_argument("--max-loop-lag", type=float, default=GatewayConfig.max_loop_lag_s, metavar="SECONDS",
+                        help="how late the event loop may wake before new inference requests are shed with 503 "
+                             "(default %(default)s)")
 
 
 def build_config(args: argparse.Namespace, file_config: pool_config.GatewayFileConfig | None = None) -> GatewayConfig:
@@ -55,6 +61,10 @@ def build_config(args: argparse.Namespace, file_config: pool_config.GatewayFileC
         raise ConfigError("port", f"must be 0..65535, got {args.port}")
     if args.stale_after is not None and args.stale_after <= 0:
         raise ConfigError("stale-after", "must be > 0")
+    if args.max_in_flight < 1:
+        raise ConfigError("max-in-flight", f"must be at least 1, got {args.max_in_flight}")
+    if not args.max_loop_lag > 0:  # also refuses NaN
+        raise ConfigError("max-loop-lag", f"must be > 0 seconds, got {args.max_loop_lag}")
     trusted = [*args.trust_network, *(s for s in os.environ.get("LLMGW_TRUST_NETWORKS", "").split(",") if s.strip())]
     parse_networks(trusted)  # a bad CIDR is a ConfigError naming the flag
     return GatewayConfig(
@@ -64,6 +74,7 @@ def build_config(args: argparse.Namespace, file_config: pool_config.GatewayFileC
             else DEFAULT_PORT),
         stale_after_s=args.stale_after, config_path=Path(args.config) if args.config else None,
         data_dir=data_dir(args.data_dir), trusted_networks=tuple(trusted),
+        max_in_flight=args.max_in_flight, max_loop_lag_s=args.max_loop_lag,
     )
 
 

@@ -49,6 +49,7 @@ from services.gateway.openapi import document as openapi_document
 from services.gateway.pages import Pages
 from services.gateway.peers import Peers, bootstrap_admin
 from services.gateway.pools_file import LAST_GOOD_NAME, PoolsFile, first_byte_timeout_s, initial_file_config
+from services.gateway.shedding import LoadShedder
 from services.gateway.usage_publisher import UsagePublisher
 from services.gateway.usage_spool import UsageSpool
 
@@ -78,6 +79,10 @@ class GatewayConfig:
     trusted_networks: tuple[str, ...] = ()
     # how often to ask the ledger for the month's energy per key (only while a kWh-per-month limit is set)
     key_energy_poll_s: float = 5.0
+    # overload is answered at once (services/gateway/shedding.py): open inference requests in this process,
+    # and how late the event loop may wake, before new requests get 503 gateway_overloaded
+    max_in_flight: int = 4096
+    max_loop_lag_s: float = 0.5
 
 
 class GatewayService:
@@ -99,6 +104,7 @@ class GatewayService:
         self.fleet = Fleet(config.gateway_id)
         self.router = routing_adapter.Router(config.data_dir, time.time())
         self.metrics = GatewayMetrics()
+        self.shedder = LoadShedder(config.max_in_flight, config.max_loop_lag_s)
         self._quiet_log = ThrottledLog(log)  # per-request lines while a member or the bus is down
         self.http = HttpBackend(
             first_byte_timeout_s=first_byte_timeout_s(config.first_chunk_timeout_s, file_config),
@@ -141,7 +147,8 @@ class GatewayService:
                           tasks.create_task(save_usage_periodically(self.auth), name="key-usage"),
                           tasks.create_task(self.identity_sync.run(), name="identity-sync"),
                           tasks.create_task(self.peers._share_limit_counters(), name="limit-counters-share"),
-                          tasks.create_task(self.peers._poll_key_energy(), name="key-energy")]
+                          tasks.create_task(self.peers._poll_key_energy(), name="key-energy"),
+                          tasks.create_task(self.shedder.probe(), name="loop-lag-probe")]
             self.pools_file.mark_seen()
             background.append(tasks.create_task(self.pools_file.watch_config(), name="config-watch"))
             try:
@@ -223,7 +230,7 @@ class GatewayService:
     # ---- HTTP -------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware, self._body_limit,
+        app = web.Application(middlewares=[error_middleware, self.shedder.middleware, self._body_limit,
                                            body_deadline_middleware(self.config.body_timeout_s)],
                               client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -300,6 +307,7 @@ class GatewayService:
     async def prometheus(self, request: web.Request) -> web.Response:
         m = PromText()
         self.metrics.write(m)
+        self.shedder.write(m)
         rows = self.backends_view()
         for row in rows:
             m.counter("llmgw_member_failures_total", "Requests the member failed (connect, 5xx, timeout, broken "

@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -112,7 +113,7 @@ class Setup:
 
 @contextlib.asynccontextmanager
 async def gateway_over(nats_server: EmbeddedNatsServer, tmp_path: Path, modes: list[str],
-                       weights: list[float] | None = None) -> AsyncIterator[Setup]:
+                       weights: list[float] | None = None, **settings: Any) -> AsyncIterator[Setup]:
     """One pool over members answering in ``modes``; capacity weights ``weights`` (default 8, 7, ...)."""
     async with contextlib.AsyncExitStack() as es:
         members = [Member(mode) for mode in modes]
@@ -124,7 +125,7 @@ async def gateway_over(nats_server: EmbeddedNatsServer, tmp_path: Path, modes: l
         config = pool_config.parse({"model_pools": {"m": {"members": [
             {"model_id": "m", "backend": m.url, "capacity_weight": weights[i] if weights else 8 - i}
             for i, m in enumerate(members)]}}})
-        gateway = GatewayService(nc, GatewayConfig(gateway_id="gwf", port=0, data_dir=tmp_path), config)
+        gateway = GatewayService(nc, GatewayConfig(gateway_id="gwf", port=0, data_dir=tmp_path, **settings), config)
         await es.enter_async_context(gateway.running())
         url = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
         assert gateway.bootstrap is not None
@@ -273,3 +274,32 @@ async def test_the_session_pin_is_written_at_the_first_byte_not_after_the_answer
         held.release.set()
         text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
         assert text == "hello wörld"
+
+
+async def test_past_its_in_flight_limit_the_gateway_answers_503_at_once_and_serves_again_after(
+        nats_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # issue #31: overload is answered, not timed out
+    async with gateway_over(nats_server, tmp_path, ["hold"], max_in_flight=2) as s:
+        held = [await s.api.chat.completions.create(model="m", messages=[{"role": "user", "content": f"h{i}"}],
+                                                    stream=True) for i in range(2)]
+        for stream in held:
+            await anext(aiter(stream))  # both open, streaming
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as info:
+            await _ask(s.api)
+        assert time.monotonic() - started < 1.0
+        err = info.value
+        assert err.status_code == 503 and err.response.headers["Retry-After"] == "1"
+        assert err.body["code"] == "gateway_overloaded"  # type: ignore[index]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(s.url + "/health") as health:
+                assert health.status == 200  # health and metrics are never shed
+            async with http.get(s.url + "/metrics") as resp:
+                metrics = await resp.text()
+        assert 'llmgw_shed_requests_total{reason="in_flight"} 1' in metrics and "llmgw_gateway_in_flight 2" in metrics
+        s.members[0].release.set()
+        for stream in held:
+            async for _ in stream:
+                pass
+        s.members[0].mode = "ok"
+        assert (await _ask(s.api)).choices[0].message.content == "hello"
