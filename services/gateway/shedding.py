@@ -87,9 +87,10 @@ class LoadShedder:
             self.in_flight -= 1
 
     def write(self, m: PromText) -> None:
-        for reason in ("in_flight", "loop_lag"):
+        reasons: tuple[ShedReason, ...] = ("in_flight", "loop_lag")
+        for reason in reasons:
             m.counter("llmgw_shed_requests_total", "Inference requests answered 503 gateway_overloaded at once, by "
-                      "the signal that shed them.", self.shed[reason], {"reason": reason})  # type: ignore[index]
+                      "the signal that shed them.", self.shed[reason], {"reason": reason})
         m.gauge("llmgw_gateway_in_flight", "Inference requests open in this gateway process.", self.in_flight)
         m.gauge("llmgw_event_loop_lag_seconds", "How late the gateway's event loop woke for its newest probe.",
                 round(self.loop_lag_s, 6))
