@@ -11,22 +11,29 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import openai
 import pytest
 import torch
 import torch.nn.functional as F
+from aiohttp import web
+from nats.aio.client import Client
 
 from proto import EmbedReply, EmbedRequest, SlotHeartbeat, decode, encode, subjects
+from proto import pools as pool_config
+from services.common.http import serving
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.model.tokenizer import Tokenizer
 from services.engine.serve.async_engine import AsyncEngine
 from services.engine.serve.energy import UnavailableMeter
 from services.engine.serve.http import EngineService, ServeConfig, http_site
+from services.gateway.service import GatewayConfig, GatewayService
 from tests.integration.conftest import Stack, wait_for
 from tests.unit.engine.model_helpers import hf_model
 
@@ -164,3 +171,49 @@ async def test_the_bus_face_answers_an_embed_request_directly(stack: Stack) -> N
         request_id="r1", model="tiny", token_ids=[[1, 2, 3]])), timeout=10)).data, EmbedReply)
     assert reply.error is None and len(reply.embeddings) == 1 and len(reply.embeddings[0]) == 64 * 4
     assert reply.usage is not None and reply.usage.prompt_tokens == 3
+
+
+# llama.cpp started without --embeddings answers this (tools/server/server.cpp, ERROR_TYPE_NOT_SUPPORTED → 501)
+LLAMACPP_NO_EMBEDDINGS = {"error": {"code": 501, "type": "not_supported_error",
+                                    "message": "This server does not support embeddings. Start it with `--embeddings`"}}
+
+
+async def test_an_http_member_without_embeddings_is_a_400_naming_it_and_one_with_them_serves(
+        nc: Client, tmp_path: Path) -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def no_embeddings(request: web.Request) -> web.Response:
+        return web.json_response(LLAMACPP_NO_EMBEDDINGS, status=501)
+
+    async def embeddings(request: web.Request) -> web.Response:  # as vLLM answers (one 2-float vector)
+        seen.append(await request.json())
+        return web.json_response({"object": "list", "model": "tiny", "data": [
+            {"object": "embedding", "index": 0, "embedding": [0.6, 0.8]}],
+            "usage": {"prompt_tokens": 2, "total_tokens": 2}})
+
+    async with contextlib.AsyncExitStack() as es:
+        apps = []
+        for handler in (no_embeddings, embeddings):
+            app = web.Application()
+            app.router.add_post("/v1/embeddings", handler)
+            apps.append(await es.enter_async_context(serving(app, "127.0.0.1", 0)))
+        pools = tmp_path / "pools.json"
+        pools.write_text(json.dumps({"model_pools": {
+            "plain": {"members": [{"model_id": "tiny", "backend": apps[0]}]},
+            "both": {"members": [{"model_id": "tiny", "backend": apps[0], "capacity_weight": 8},
+                                 {"model_id": "tiny", "backend": apps[1], "capacity_weight": 1}]}}}))
+        gateway = GatewayService(nc, GatewayConfig(gateway_id="gw1", port=0, data_dir=tmp_path),
+                                 pool_config.load(pools))
+        await es.enter_async_context(gateway.running())
+        base = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
+        assert gateway.bootstrap is not None
+        c = client(base, gateway.bootstrap[1])
+        with pytest.raises(openai.BadRequestError) as refused:
+            await c.embeddings.create(model="plain", input="hi")
+        assert refused.value.code == "model_not_supported"
+        assert pool_config.member_id_for(apps[0]) in refused.value.message
+        # a pool with a member that embeds: the one that cannot is passed over, the body goes as it came
+        served = await c.embeddings.create(model="both", input="hi", encoding_format="float",
+                                           extra_body={"truncate_prompt_tokens": 1})
+        assert served.data[0].embedding == [0.6, 0.8] and served.usage.prompt_tokens == 2
+        assert seen[-1]["truncate_prompt_tokens"] == 1
