@@ -29,6 +29,7 @@ from services.common.prom import CONTENT_TYPE
 from services.common.runtime import new_session_id, raise_if_cancelling
 from services.engine.errors import EngineError
 from services.engine.outputs import RequestOutput
+from services.engine.serve import openapi
 from services.engine.serve.async_engine import EngineHandle
 from services.engine.serve.embedder import embed_reply
 from services.engine.serve.energy import EnergyMeter, EnergyTracker, total_energy_j
@@ -163,7 +164,11 @@ class EngineService:
         app.router.add_get("/slots", self.slots)
         app.router.add_get("/usage", self.usage)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi.document())
 
     def _model_card(self) -> dict[str, object]:
         return {"id": self.core.model_id, "object": "model", "created": int(time.time() - self.uptime_s),
