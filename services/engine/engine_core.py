@@ -185,8 +185,9 @@ class EngineCore:
         """One L2-normalised float32 vector ``[hidden_size]`` per input, pooled (``config.pooling``) over the
         final-normed hidden states of a forward pass over the whole input, between two steps.
 
-        Each input borrows KV blocks from the scheduler's pool for its one forward (the model writes K/V as
-        it goes) and gives them back at once; nothing is cached, nothing is sampled. Raises
+        Inputs run together, up to ``max_num_batched_tokens`` per forward (as one prefill step's sequences);
+        each borrows KV blocks from the scheduler's pool for that forward (the model writes K/V as it goes)
+        and gives them back at once; nothing is cached, nothing is sampled. Raises
         InvalidParameterError (empty input, a token id outside the vocabulary), ContextLengthExceededError
         (an input longer than ``max_context``), QueueFullError (no free blocks for it right now).
         """
@@ -198,20 +199,41 @@ class EngineCore:
                 raise InvalidParameterError("input", "token ids", f"token ids must be in [0, {vocab})")
             if len(ids) > self.max_context:
                 raise ContextLengthExceededError(len(ids), 0, self.max_context)
-        pool_blocks = self.scheduler.block_pool
-        vectors = []
-        for i, ids in enumerate(inputs):
-            borrower = Request(f"{request_id}/embed/{i}", ids, SamplingParams(max_tokens=1), arrival_s=now)
-            if not pool_blocks.allocate_slots(borrower, len(ids)):
-                raise QueueFullError(self.scheduler.stats().num_waiting, self.config.max_pending_requests, 1.0)
-            try:
-                seq = RunnerSeq(token_ids=ids, start_pos=0, block_table=borrower.block_ids, needs_logits=False)
-                _, hidden = self.runner.run_with_hidden([seq])
-                vectors.append(pool(hidden, self.config.pooling).cpu())
-            finally:
-                pool_blocks.free(borrower)
+        vectors: list[torch.Tensor] = []
+        start = 0
+        while start < len(inputs):
+            # one forward per batch of inputs of up to max_num_batched_tokens (one longer input runs alone)
+            end, num_tokens = start + 1, len(inputs[start])
+            while end < len(inputs) and num_tokens + len(inputs[end]) <= self.config.max_num_batched_tokens:
+                num_tokens += len(inputs[end])
+                end += 1
+            vectors += self._embed_batch(request_id, inputs, start, end, now)
+            start = end
         self.prompt_tokens_total += sum(len(ids) for ids in inputs)
         return vectors
+
+    def _embed_batch(self, request_id: str, inputs: Sequence[Sequence[int]], start: int, end: int,
+                     now: float) -> list[torch.Tensor]:
+        """:meth:`embed` of ``inputs[start:end]`` in one forward (each a sequence of its own in the step)."""
+        pool_blocks = self.scheduler.block_pool
+        borrowers: list[Request] = []
+        try:
+            for i in range(start, end):
+                borrower = Request(f"{request_id}/embed/{i}", inputs[i], SamplingParams(max_tokens=1), arrival_s=now)
+                if not pool_blocks.allocate_slots(borrower, len(inputs[i])):
+                    raise QueueFullError(self.scheduler.stats().num_waiting, self.config.max_pending_requests, 1.0)
+                borrowers.append(borrower)
+            seqs = [RunnerSeq(token_ids=inputs[start + k], start_pos=0, block_table=b.block_ids, needs_logits=False)
+                    for k, b in enumerate(borrowers)]
+            _, hidden = self.runner.run_with_hidden(seqs)
+        finally:
+            for borrower in borrowers:
+                pool_blocks.free(borrower)
+        out, row = [], 0
+        for i in range(start, end):
+            out.append(pool(hidden[row : row + len(inputs[i])], self.config.pooling).cpu())
+            row += len(inputs[i])
+        return out
 
     def abort(self, request_id: str, now: float) -> RequestOutput | None:
         request = self.scheduler.abort_request(request_id, now)
