@@ -40,3 +40,22 @@ def test_embed_gives_its_blocks_back_and_refuses_what_does_not_fit(tiny_model: P
     core.step(lambda: 0.0)
     with pytest.raises(QueueFullError):
         core.embed("r", [list(range(1, 64))], now=0.0)
+
+
+def test_ninfer_serve_pooling_flag_defaults_to_last_and_refuses_an_unknown_kind(tiny_model: Path, tmp_path: Path
+                                                                                ) -> None:
+    import argparse
+
+    from services.engine.__main__ import add_arguments, build_config
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+
+    def pooling(*flags: str) -> str:
+        engine, _, _ = build_config(parser.parse_args([str(tiny_model), "--data-dir", str(tmp_path), *flags]))
+        return engine.pooling
+
+    assert pooling() == "last"
+    assert pooling("--pooling", "mean") == "mean"
+    with pytest.raises((argparse.ArgumentError, SystemExit)):
+        parser.parse_args([str(tiny_model), "--pooling", "cls"])
