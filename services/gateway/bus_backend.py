@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
-from nats.errors import NoRespondersError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from proto import (
@@ -191,6 +191,9 @@ async def embed(nc: Client, worker_id: str, req: EmbedRequest, timeout_s: float)
         raise WorkerUnavailable(worker_id, "the bus is disconnected", is_bus_down=True)
     try:
         msg = await nc.request(subjects.embed(worker_id), encode(req), timeout=timeout_s)
+    except MaxPayloadError:
+        raise HTTPError(413, f"the embeddings request is over the bus's payload limit ({nc.max_payload:,} bytes): "
+                             "send fewer or shorter inputs", code="body_too_large") from None
     except NoRespondersError:
         raise WorkerUnavailable(worker_id, "no responder on its embed subject",
                                 not_supported(worker_id, "embeddings")) from None

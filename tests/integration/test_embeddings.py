@@ -218,3 +218,14 @@ async def test_an_http_member_without_embeddings_is_a_400_naming_it_and_one_with
                                            extra_body={"truncate_prompt_tokens": 1})
         assert served.data[0].embedding == [0.6, 0.8] and served.usage.prompt_tokens == 2
         assert seen[-1]["truncate_prompt_tokens"] == 1
+
+
+async def test_vectors_over_the_bus_payload_limit_are_a_413_saying_so_not_a_timeout(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the server's limit as the worker's client reads it (nats-server's INFO max_payload), lowered to 4 KiB
+    monkeypatch.setattr(type(stack.worker.nc), "max_payload", property(lambda _self: 4096))
+    c = client(stack.base_url, stack.api_key)
+    with pytest.raises(openai.APIStatusError) as refused:
+        await c.embeddings.create(model="tiny", input=[[5, 6]] * 40)  # 40 vectors x 256 bytes
+    assert refused.value.status_code == 413 and refused.value.code == "too_many_inputs"
+    assert len((await c.embeddings.create(model="tiny", input=[[5, 6]] * 8)).data) == 8  # 2 KiB fits

@@ -195,7 +195,14 @@ class BusWorker:
             reply = EmbedReply(request_id=req.request_id, error=error_info(late), worker_id=self.config.worker_id)
         else:
             reply = await embed_reply(self.engine, req, self.config.worker_id)
-        await self.nc.publish(inbox, encode(reply))
+        data = encode(reply)
+        max_payload = int(getattr(self.nc, "max_payload", 0) or 1024 * 1024)
+        if len(data) > max_payload:  # would never arrive: say why instead of leaving the gateway to time out
+            data = encode(EmbedReply(request_id=req.request_id, worker_id=self.config.worker_id, error=ErrorInfo(
+                message=f"the {len(reply.embeddings)} vectors take {len(data):,} bytes, over the bus's payload "
+                        f"limit of {max_payload:,}: send fewer inputs per request", type="invalid_request_error",
+                code="too_many_inputs", param="input", status=413)))
+        await self.nc.publish(inbox, data)
 
     def _forget_task(self, request_id: str, _task: asyncio.Task[None]) -> None:
         self._tasks.pop(request_id, None)
