@@ -140,3 +140,37 @@ class Cancel(Message, frozen=True):
     """gateway → engine on ``llm.v1.cancel.<worker_id>``: stop generating ``request_id`` (the client left)."""
 
     request_id: str
+
+
+class EmbedRequest(Message, frozen=True):
+    """gateway → engine on ``llm.v1.embed.<worker_id>`` (request/reply): one :class:`EmbedReply` answers it.
+
+    The inputs are either ``texts`` (tokenized by the engine, no chat template) or ``token_ids`` (one
+    list per input), never both; the OpenAI body's four input forms map onto these two. ``dimensions``
+    is the client's ask (None: the model's hidden size); an engine that cannot truncate refuses it.
+    """
+
+    request_id: str
+    model: str
+    texts: list[str] = []
+    token_ids: list[list[int]] = []
+    dimensions: int | None = None
+    gateway_id: str = ""
+    api_key_id: str | None = None
+    deadline_s: float | None = None
+    protocol: int = PROTOCOL_VERSION
+
+
+class EmbedReply(Message, frozen=True):
+    """engine → gateway, the answer to one :class:`EmbedRequest`: either ``error`` or one vector per input.
+
+    Each vector is L2-normalised little-endian float32 bytes (``hidden_size * 4`` bytes): compact on the
+    bus, and exactly what the OpenAI ``encoding_format: base64`` form encodes. ``usage.prompt_tokens``
+    counts every input's tokens; ``completion_tokens`` is 0.
+    """
+
+    request_id: str
+    embeddings: list[bytes] = []
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+    worker_id: str = ""

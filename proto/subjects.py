@@ -40,6 +40,11 @@ def gen(worker_id: str) -> str:
     return f"{PREFIX}.gen.{worker_id}"
 
 
+def embed(worker_id: str) -> str:
+    """EmbedRequest, request/reply: one EmbedReply comes back on the message's reply inbox."""
+    return f"{PREFIX}.embed.{worker_id}"
+
+
 def cancel(worker_id: str) -> str:
     """Cancel."""
     return f"{PREFIX}.cancel.{worker_id}"

@@ -51,7 +51,7 @@ from proto import (
     subjects,
 )
 from proto import pools as pool_config
-from services.accounting import sql_values
+from services.accounting import openapi, sql_values
 from services.accounting.intervals import Limits
 from services.accounting.puller import BatchPuller
 from services.accounting.sql_runner import QueryBusy, QueryLimits, QueryRunner, QueryTimedOut, ResultTooLarge
@@ -456,7 +456,11 @@ class AccountingService:
         app.router.add_post("/sql", self._http_sql)
         app.router.add_get("/costs", self._http_costs)
         app.router.add_get("/health", self._http_health)
+        app.router.add_get("/openapi.json", self._http_openapi)
         return app
+
+    async def _http_openapi(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(openapi.document())
 
     async def _require_admin(self, request: web.Request) -> None:
         """``Authorization: Bearer sk-…`` checked by the gateways over ``llm.v1.auth.check`` (only the

@@ -43,6 +43,7 @@ from services.engine.engine_core import EngineCore
 from services.engine.errors import EngineError
 from services.engine.kernels.backend import BackendUnavailableError, select_backend
 from services.engine.model.artifact import materialize
+from services.engine.model.pooler import POOLING_TYPES
 from services.engine.serve.async_engine import AsyncEngine, EngineHandle
 from services.engine.serve.energy import detect_meter
 from services.engine.serve.http import EngineService, ServeConfig, http_site
@@ -84,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "that is always so (accepted, no effect)")
     parser.add_argument("--preserve-thinking", action="store_true",
                         help="keep <think> blocks of earlier assistant turns in the prompt")
+    parser.add_argument("--pooling", choices=list(POOLING_TYPES), default="last",
+                        help="/v1/embeddings: the last token's hidden state (default, as vLLM pools decoder "
+                             "models) or the mean over every token; either is L2-normalised")
     parser.add_argument("--electricity-rate", type=float, default=0.125, help="USD per kWh for /usage costs")
     parser.add_argument("--metrics-state", type=Path, help="file that persists token totals and daily energy")
     parser.add_argument("--api-key", default=os.environ.get("NINFER_API_KEY") or None,
@@ -201,6 +205,7 @@ def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, W
         max_pending_requests=args.max_pending_requests, max_context=args.max_context,
         preserve_thinking=args.preserve_thinking, spec=spec, backend=args.backend,
         stream_interval_ms=args.stream_interval_ms, cuda_graphs=not args.no_cuda_graphs,
+        pooling=args.pooling,
         torch_threads=args.threads or (default_cpu_threads(args.in_process) if args.device == "cpu" else None),
     )
     try:

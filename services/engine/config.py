@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from services.engine.model.kv_cache import DEFAULT_KV_MEMORY_FRACTION
+from services.engine.model.pooler import PoolingType
 from services.engine.spec.spec_decode import SpecConfig
 
 
@@ -36,3 +37,5 @@ class EngineConfig:
     # async_engine.StreamInterval); 0 releases every step's tokens at once. Offline generate ignores it.
     stream_interval_ms: float = 0.0
     spec: SpecConfig = field(default_factory=SpecConfig)
+    # /v1/embeddings: which hidden states make a sequence's vector (model/pooler.py)
+    pooling: PoolingType = "last"

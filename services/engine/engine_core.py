@@ -31,11 +31,12 @@ from services.engine.core.request import Request
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.core.stop_checker import StopChecker
-from services.engine.errors import InvalidParameterError
+from services.engine.errors import ContextLengthExceededError, InvalidParameterError, QueueFullError
 from services.engine.kernels.backend import select_backend
 from services.engine.model.kv_cache import KVCacheSpec, allocate_kv_cache, free_memory_bytes
 from services.engine.model.loader import load_model
-from services.engine.model.model_runner import ModelRunner, capture_decode_graphs
+from services.engine.model.model_runner import ModelRunner, RunnerSeq, capture_decode_graphs
+from services.engine.model.pooler import pool
 from services.engine.model.sampler import Sampler, TokenLogprobs, histories, logprobs_by_request
 from services.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.engine.outputs import EngineSnapshot, RequestOutput, RequestTimings
@@ -186,6 +187,60 @@ class EngineCore:
         # gateway un-counted them drove routed - admitted negative after any 429)
         self.admitted_by_source[source] += 1
         self.prompt_tokens_total += len(prompt_token_ids)
+
+    def embed(self, request_id: str, inputs: Sequence[Sequence[int]], now: float) -> list[torch.Tensor]:
+        """One L2-normalised float32 vector ``[hidden_size]`` per input, pooled (``config.pooling``) over the
+        final-normed hidden states of a forward pass over the whole input, between two steps.
+
+        Inputs run together, up to ``max_num_batched_tokens`` per forward (as one prefill step's sequences);
+        each borrows KV blocks from the scheduler's pool for that forward (the model writes K/V as it goes)
+        and gives them back at once; nothing is cached, nothing is sampled. Raises
+        InvalidParameterError (empty input, a token id outside the vocabulary), ContextLengthExceededError
+        (an input longer than ``max_context``), QueueFullError (no free blocks for it right now).
+        """
+        vocab = self.model_config.vocab_size
+        for ids in inputs:
+            if not ids:
+                raise InvalidParameterError("input", "", "an input encodes to no tokens")
+            if any(t < 0 or t >= vocab for t in ids):
+                raise InvalidParameterError("input", "token ids", f"token ids must be in [0, {vocab})")
+            if len(ids) > self.max_context:
+                raise ContextLengthExceededError(len(ids), 0, self.max_context)
+        vectors: list[torch.Tensor] = []
+        start = 0
+        while start < len(inputs):
+            # one forward per batch of inputs of up to max_num_batched_tokens (one longer input runs alone)
+            end, num_tokens = start + 1, len(inputs[start])
+            while end < len(inputs) and num_tokens + len(inputs[end]) <= self.config.max_num_batched_tokens:
+                num_tokens += len(inputs[end])
+                end += 1
+            vectors += self._embed_batch(request_id, inputs, start, end, now)
+            start = end
+        self.prompt_tokens_total += sum(len(ids) for ids in inputs)
+        return vectors
+
+    def _embed_batch(self, request_id: str, inputs: Sequence[Sequence[int]], start: int, end: int,
+                     now: float) -> list[torch.Tensor]:
+        """:meth:`embed` of ``inputs[start:end]`` in one forward (each a sequence of its own in the step)."""
+        pool_blocks = self.scheduler.block_pool
+        borrowers: list[Request] = []
+        try:
+            for i in range(start, end):
+                borrower = Request(f"{request_id}/embed/{i}", inputs[i], SamplingParams(max_tokens=1), arrival_s=now)
+                if not pool_blocks.allocate_slots(borrower, len(inputs[i])):
+                    raise QueueFullError(self.scheduler.stats().num_waiting, self.config.max_pending_requests, 1.0)
+                borrowers.append(borrower)
+            seqs = [RunnerSeq(token_ids=inputs[start + k], start_pos=0, block_table=b.block_ids, needs_logits=False)
+                    for k, b in enumerate(borrowers)]
+            _, hidden = self.runner.run_with_hidden(seqs)
+        finally:
+            for borrower in borrowers:
+                pool_blocks.free(borrower)
+        out, row = [], 0
+        for i in range(start, end):
+            out.append(pool(hidden[row : row + len(inputs[i])], self.config.pooling).cpu())
+            row += len(inputs[i])
+        return out
 
     def abort(self, request_id: str, now: float) -> RequestOutput | None:
         request = self.scheduler.abort_request(request_id, now)

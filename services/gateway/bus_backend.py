@@ -1,4 +1,5 @@
-"""The bus hop to our engines: GenerateRequest out on ``llm.v1.gen.<worker>``, TokenChunks back on an inbox."""
+"""The bus hop to our engines: GenerateRequest out on ``llm.v1.gen.<worker>``, TokenChunks back on an inbox;
+EmbedRequest on ``llm.v1.embed.<worker>``, one EmbedReply back."""
 
 from __future__ import annotations
 
@@ -8,9 +9,20 @@ from collections.abc import AsyncIterator, Callable
 
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from proto import Cancel, GenerateRequest, ProtoDecodeError, TokenChunk, decode, encode, subjects
+from proto import (
+    Cancel,
+    EmbedReply,
+    EmbedRequest,
+    GenerateRequest,
+    ProtoDecodeError,
+    TokenChunk,
+    decode,
+    encode,
+    subjects,
+)
 from services.common.http import HTTPError
 from services.common.openai_stream import chunk_error
 from services.common.runtime import raise_if_cancelling
@@ -158,3 +170,42 @@ async def start(nc: Client, worker_id: str, generate: GenerateRequest, first_chu
 async def cancel(nc: Client, worker_id: str, request_id: str) -> None:
     with contextlib.suppress(Exception):
         await nc.publish(subjects.cancel(worker_id), encode(Cancel(request_id=request_id)))
+
+
+# The code of the 400 for a member that cannot do what the request asks (an engine with no embeddings).
+MODEL_NOT_SUPPORTED = "model_not_supported"
+
+
+def not_supported(member_id: str, what: str) -> HTTPError:
+    """The 400 for a member that cannot serve ``what`` (e.g. an engine from before embeddings)."""
+    return HTTPError(400, f"member '{member_id}' cannot serve {what}", code=MODEL_NOT_SUPPORTED, param="model")
+
+
+async def embed(nc: Client, worker_id: str, req: EmbedRequest, timeout_s: float) -> EmbedReply:
+    """Send an EmbedRequest and wait (up to ``timeout_s``) for its one EmbedReply.
+
+    A refusal comes back as :class:`WorkerUnavailable` carrying the engine's error; no responder on the
+    subject while the worker is otherwise alive means an engine without embeddings (a 400
+    ``model_not_supported`` naming it, never a 503 the client would retry)."""
+    if not nc.is_connected:
+        raise WorkerUnavailable(worker_id, "the bus is disconnected", is_bus_down=True)
+    try:
+        msg = await nc.request(subjects.embed(worker_id), encode(req), timeout=timeout_s)
+    except MaxPayloadError:
+        raise HTTPError(413, f"the embeddings request is over the bus's payload limit ({nc.max_payload:,} bytes): "
+                             "send fewer or shorter inputs", code="body_too_large") from None
+    except NoRespondersError:
+        raise WorkerUnavailable(worker_id, "no responder on its embed subject",
+                                not_supported(worker_id, "embeddings")) from None
+    except (NatsTimeout, TimeoutError):
+        raise_if_cancelling()
+        raise WorkerUnavailable(worker_id, f"no embeddings reply within {timeout_s:g} s") from None
+    try:
+        reply = decode(msg.data, EmbedReply)
+    except ProtoDecodeError as exc:
+        raise WorkerUnavailable(worker_id, exc.reason) from None
+    if reply.error is not None:
+        e = reply.error
+        raise WorkerUnavailable(worker_id, e.message, HTTPError(e.status, e.message, code=e.code, param=e.param,
+                                                                type=e.type, retry_after_s=e.retry_after_s))
+    return reply

@@ -26,13 +26,13 @@ from aiohttp import web
 from nats.aio.client import Client
 
 from proto import TokenChunk
-from services.common import openai_api, openai_stream
+from services.common import openai_api, openai_embeddings, openai_stream
 from services.common.http import HTTPError
 from services.common.prom import E2E_BUCKETS_S, TTFT_BUCKETS_S, Histogram, PromText
 from services.common.runtime import ThrottledLog
 from services.gateway import bus_backend, pools, routing, routing_adapter
 from services.gateway.breaker import FailureKind
-from services.gateway.errors import CREDENTIALS_REJECTED, MemberFailure
+from services.gateway.errors import CREDENTIALS_REJECTED, MemberFailure, MemberUnavailable
 from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend
 from services.gateway.pools_file import PoolsFile
@@ -196,8 +196,6 @@ class Forwarder:
         credentials_error: HTTPError | None = None  # a member refused the gateway's key: say so if none accepts
         for attempt, member_id in enumerate(decision.ranked):
             ref = refs[member_id]
-            if parsed.endpoint == "embeddings" and ref.kind != "http":
-                continue  # our engines do not serve embeddings
             if parsed.unsupported and ref.kind != "http":
                 # Asks for what our engines do not implement (tools, ...): HTTP members get the body as it came.
                 refusal = openai_api.unsupported_error(parsed, f"engine {member_id}")
@@ -218,15 +216,24 @@ class Forwarder:
                 prefill_done()
                 recorded()
             try:
-                if ref.kind == "bus":
+                if ref.kind == "bus" and parsed.endpoint == "embeddings":
+                    response = await self._embed_via_bus(body, parsed, ref, request_id, api_key_id, outcome,
+                                                         first_byte)
+                elif ref.kind == "bus":
                     response = await self._via_bus(request, parsed, ref, request_id, api_key_id, outcome, first_byte)
                 else:
-                    response = await self._via_http(request, body, parsed, ref, request_id, outcome, first_byte)
+                    response = await self._via_http_member(request, body, parsed, ref, request_id, outcome,
+                                                           first_byte)
             except MemberFailure as exc:
                 self.fleet.unbook(member_id)
                 if outcome.meter.output_tokens_seen == 0 and not outcome.meter.is_final:
                     outcome.meter = UsageMeter(prompt_tokens_estimate=outcome.meter.prompt_tokens_estimate)
                 error, bus_down = exc.error, exc.is_bus_down
+                if error is not None and error.code == bus_backend.MODEL_NOT_SUPPORTED:
+                    # it cannot serve this kind of request (no embeddings): another member may; say so if none does
+                    self.fleet.inconclusive(member_id)
+                    last_error = last_error or error
+                    continue
                 if error is not None and error.status < 500:
                     self.fleet.inconclusive(member_id)  # it answered: alive, whatever its breaker thought
                     if error.status in (400, 413):
@@ -355,6 +362,36 @@ class Forwarder:
             return hb.session_id == session and time.time() - rec.received_s <= self.pools_file.stale_after_s
         return is_alive
 
+    async def _embed_via_bus(self, body: dict[str, Any], parsed: openai_api.ParsedRequest, ref: pools.MemberRef,
+                             request_id: str, api_key_id: str | None, outcome: Outcome,
+                             first_byte: Callable[[], None]) -> web.StreamResponse:
+        """An embeddings request to one of our engines: one EmbedRequest, one EmbedReply, one JSON body."""
+        timeout_s = self.pools_file.file_config.limits.request_timeout_s
+        wanted = openai_embeddings.parse_embeddings(body)  # validated in parse(): cannot raise here
+        embed = msgspec.structs.replace(wanted.embed, request_id=request_id, model=ref.model_id,
+                                        gateway_id=self.gateway_id, api_key_id=api_key_id,
+                                        deadline_s=time.time() + timeout_s)
+        reply = await bus_backend.embed(self.nc, ref.member_id, embed, timeout_s)
+        first_byte()
+        if reply.usage is not None:
+            outcome.meter.accepted(reply.usage.prompt_tokens)
+            outcome.meter.finished(reply.usage)
+        outcome.finish_reason = "stop"
+        return web.json_response(openai_embeddings.embeddings_body(parsed.model, reply, wanted.encoding_format))
+
+    async def _via_http_member(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
+                               ref: pools.MemberRef, request_id: str, outcome: Outcome,
+                               first_byte: Callable[[], None]) -> web.StreamResponse:
+        """:meth:`_via_http`; for embeddings, a member that answers it has no such endpoint or model (404,
+        405, 501: llama.cpp without ``--embeddings``, a vLLM generation model) is one that cannot embed."""
+        try:
+            return await self._via_http(request, body, parsed, ref, request_id, outcome, first_byte)
+        except HTTPError as err:
+            if parsed.endpoint == "embeddings" and err.status in (404, 405, 501):
+                raise MemberUnavailable(ref.member_id, f"no embeddings ({err.status}: {err.message})", err.status,
+                                        bus_backend.not_supported(ref.member_id, "embeddings")) from None
+            raise
+
     async def _via_http(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
                         ref: pools.MemberRef, request_id: str, outcome: Outcome,
                         first_byte: Callable[[], None]) -> web.StreamResponse:
@@ -391,12 +428,10 @@ class Forwarder:
     def parse(body: dict[str, Any], endpoint: str) -> openai_api.ParsedRequest:
         try:
             if endpoint == "embeddings":
-                model = body.get("model")
-                if not isinstance(model, str) or not model:
-                    raise openai_api.InvalidRequest("'model' is required and must be a string", "model")
-                if "input" not in body:
-                    raise openai_api.InvalidRequest("'input' is required", "input")
-                return openai_api.ParsedRequest("embeddings", model, False, False, openai_api.empty_generate(model))
+                wanted = openai_embeddings.parse_embeddings(body)
+                return openai_api.ParsedRequest("embeddings", wanted.model, False, False,
+                                                openai_api.empty_generate(wanted.model),
+                                                unsupported=wanted.unsupported)
             return openai_api.parse_request(body, endpoint)
         except openai_api.InvalidRequest as exc:
             raise HTTPError.bad_request(exc) from None

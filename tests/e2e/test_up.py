@@ -71,13 +71,16 @@ def test_llmgw_up_serves_a_request_records_usage_and_stops_everything(tiny_model
             if c.choices
         )
         assert isinstance(text, str)
+        # issue #25: embeddings on the default stack come from our engine (they were a 503 "retry shortly")
+        vectors = client.embeddings.create(model="tiny", input=["hi", "there"])
+        assert [len(d.embedding) for d in vectors.data] == [64, 64] and vectors.usage.prompt_tokens > 0
 
         cli = [sys.executable, "-m", "services.cli", "sql", "--data-dir", str(data), "--format", "csv"]
         deadline = time.monotonic() + 30
         while True:
             out = subprocess.run([*cli, "select count(*) as n from requests"], cwd=REPO, env=env,
                                  capture_output=True, text=True, timeout=60)
-            if out.returncode == 0 and out.stdout.splitlines()[1:] == ["2"]:
+            if out.returncode == 0 and out.stdout.splitlines()[1:] == ["3"]:
                 break
             assert time.monotonic() < deadline, out.stdout + out.stderr
             time.sleep(0.2)
@@ -100,4 +103,4 @@ def test_llmgw_up_serves_a_request_records_usage_and_stops_everything(tiny_model
     out = subprocess.run([*cli, "select model, status from requests order by ts"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["model,status", "tiny,ok", "tiny,ok"]
+    assert out.stdout.splitlines() == ["model,status", "tiny,ok", "tiny,ok", "tiny,ok"]

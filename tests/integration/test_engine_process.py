@@ -128,3 +128,19 @@ async def test_a_stream_interval_merges_outputs_without_changing_the_tokens(tiny
         held = await outputs(engine)
     assert [t for out in held for t in out] == [t for out in each_step for t in out]
     assert len(each_step) >= 30 and len(held) <= 3, (len(each_step), len(held))
+
+
+async def test_embeddings_from_the_child_are_the_threaded_engines_and_its_refusals_come_back_typed(
+        tiny_model: Path) -> None:
+    from services.engine.errors import ContextLengthExceededError
+
+    inputs = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    async with AsyncEngine(EngineCore(config(tiny_model, max_context=64))) as threaded:
+        expected = await threaded.embed("t", inputs)
+    async with ProcessEngine(config(tiny_model, max_context=64)) as engine:
+        got = await engine.embed("p", inputs)
+        with pytest.raises(ContextLengthExceededError):
+            await engine.embed("q", [[1] * 65])
+        assert engine.snapshot().stats.num_kv_blocks_used == 0  # the borrowed blocks came back
+    assert [len(v) for v in got] == [64 * 4, 64 * 4]  # hidden size 64, float32
+    assert got == expected

@@ -30,6 +30,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.engine_core import EngineCore
 from services.engine.outputs import EngineSnapshot, RequestOutput
@@ -53,7 +55,27 @@ class AbortCommand:
     request_id: str
 
 
-Command = AddCommand | AbortCommand | None  # None: stop (abort what is left and return)
+@dataclass(frozen=True)
+class EmbedCommand:
+    """Embed ``inputs`` (token ids, one list per input) between two steps; answered through ``on_embedded``."""
+
+    request_id: str
+    inputs: Sequence[Sequence[int]]
+
+
+Command = AddCommand | AbortCommand | EmbedCommand | None  # None: stop (abort what is left and return)
+
+# What an embedding comes back as: little-endian float32 bytes per input (proto EmbedReply's form), or the error.
+EmbedResult = list[bytes] | BaseException
+
+
+def embed_now(core: EngineCore, cmd: EmbedCommand, now: float) -> EmbedResult:
+    """Run one EmbedCommand on the core: each vector as little-endian float32 bytes, or the error it raised."""
+    try:
+        vectors = core.embed(cmd.request_id, cmd.inputs, now)
+    except Exception as exc:  # the caller re-raises it: context length, bad token id, no free blocks
+        return exc
+    return [v.to(torch.float32).numpy().astype("<f4").tobytes() for v in vectors]
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -111,11 +133,13 @@ class StreamInterval:
 def run_step_loop(core: EngineCore, clock: Callable[[], float], next_command: Callable[[float], Command],
                   on_added: Callable[[str, BaseException | None], None],
                   publish: Callable[[list[RequestOutput], EngineSnapshot, bool], None],
-                  on_step_error: Callable[[BaseException], None]) -> None:
+                  on_step_error: Callable[[BaseException], None],
+                  on_embedded: Callable[[str, EmbedResult], None] = lambda _rid, _result: None) -> None:
     """Take commands, step while there is work, publish the steps' outputs with a fresh snapshot.
 
     ``next_command(timeout_s)`` returns the next command, waiting up to ``timeout_s`` (0: not at all), and
-    raises :class:`queue.Empty` when none came. ``publish(outputs, snapshot, changed)`` is called after any
+    raises :class:`queue.Empty` when none came. An EmbedCommand runs at once, between steps, and its
+    vectors (or error) go to ``on_embedded``. ``publish(outputs, snapshot, changed)`` is called after any
     step that released outputs (see :class:`StreamInterval`; the core's ``config.stream_interval_ms``) or
     changed the scheduler's state. A step that raises is reported to ``on_step_error``; every request is
     then aborted, so no client hangs, and the loop goes on.
@@ -141,6 +165,8 @@ def run_step_loop(core: EngineCore, clock: Callable[[], float], next_command: Ca
                     on_added(cmd.request_id, None)
                 except BaseException as exc:  # the caller re-raises it: queue full, duplicate id, ...
                     on_added(cmd.request_id, exc)
+            elif isinstance(cmd, EmbedCommand):
+                on_embedded(cmd.request_id, embed_now(core, cmd, clock()))
             elif (output := core.abort(cmd.request_id, clock())) is not None:
                 outputs.append(output)
         if core.has_unfinished_requests():
@@ -278,6 +304,11 @@ class EngineHandle:
     async def _submit(self, add: AddCommand) -> None:
         raise NotImplementedError
 
+    async def embed(self, request_id: str, inputs: Sequence[Sequence[int]]) -> list[bytes]:
+        """One L2-normalised vector per input, as little-endian float32 bytes; raises the engine's errors
+        (context length exceeded, a token id outside the vocabulary, no free KV blocks: queue full)."""
+        raise NotImplementedError
+
     def abort(self, request_id: str) -> None:
         raise NotImplementedError
 
@@ -306,6 +337,7 @@ class AsyncEngine(EngineHandle):
         self.core = core
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._adds: dict[str, concurrent.futures.Future[None]] = {}
+        self._embeds: dict[str, concurrent.futures.Future[list[bytes]]] = {}
         self._thread: threading.Thread | None = None
         self._set_snapshot(core.snapshot(clock()))
 
@@ -325,6 +357,12 @@ class AsyncEngine(EngineHandle):
         self._adds[add.request_id] = done
         self._commands.put(add)
         await asyncio.wrap_future(done)
+
+    async def embed(self, request_id: str, inputs: Sequence[Sequence[int]]) -> list[bytes]:
+        done: concurrent.futures.Future[list[bytes]] = concurrent.futures.Future()
+        self._embeds[request_id] = done
+        self._commands.put(EmbedCommand(request_id, inputs))
+        return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortCommand(request_id))
@@ -346,4 +384,8 @@ class AsyncEngine(EngineHandle):
         def on_step_error(exc: BaseException) -> None:
             self.step_error = exc
 
-        run_step_loop(self.core, self.clock, next_command, on_added, publish, on_step_error)
+        def on_embedded(request_id: str, result: EmbedResult) -> None:
+            done = self._embeds.pop(request_id)
+            done.set_exception(result) if isinstance(result, BaseException) else done.set_result(result)
+
+        run_step_loop(self.core, self.clock, next_command, on_added, publish, on_step_error, on_embedded)

@@ -22,14 +22,16 @@ from aiohttp.typedefs import Handler
 from nats.aio.client import Client
 
 from proto import EnergySample, RequestTokens, TokenChunk, Usage, encode, subjects
-from services.common import openai_api, openai_stream
+from services.common import openai_api, openai_embeddings, openai_stream
 from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W, CounterLimits
 from services.common.http import HTTPError, error_middleware, read_json_object, serving
 from services.common.prom import CONTENT_TYPE
 from services.common.runtime import new_session_id, raise_if_cancelling
 from services.engine.errors import EngineError
 from services.engine.outputs import RequestOutput
+from services.engine.serve import openapi
 from services.engine.serve.async_engine import EngineHandle
+from services.engine.serve.embedder import embed_reply
 from services.engine.serve.energy import EnergyMeter, EnergyTracker, total_energy_j
 from services.engine.serve.frontend import error_info, output_chunk, prepare_request
 from services.engine.serve.usage_ledger import UsageLedger, load_state, save_state, utc_day
@@ -155,13 +157,18 @@ class EngineService:
         app = web.Application(middlewares=[error_middleware, self._auth], client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model_id}", self.get_model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/slots", self.slots)
         app.router.add_get("/usage", self.usage)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi.document())
 
     def _model_card(self) -> dict[str, object]:
         return {"id": self.core.model_id, "object": "model", "created": int(time.time() - self.uptime_s),
@@ -201,6 +208,27 @@ class EngineService:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completions")
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request)
+        try:
+            parsed = openai_embeddings.parse_embeddings(body)
+            if parsed.unsupported:
+                name = parsed.unsupported[0]
+                raise openai_api.InvalidRequest(f"'{name}' is not supported by ninfer-serve's embeddings", name,
+                                                code="unsupported_parameter")
+        except openai_api.InvalidRequest as exc:
+            raise HTTPError.bad_request(exc) from None
+        embed = msgspec.structs.replace(parsed.embed, request_id=f"emb-{uuid.uuid4().hex}", gateway_id="http")
+        reply = await embed_reply(self.engine, embed, self.worker_id)
+        if reply.error is not None:
+            info = reply.error
+            raise HTTPError(info.status, info.message, code=info.code, param=info.param, type=info.type,
+                            retry_after_s=info.retry_after_s)
+        if reply.usage is not None:
+            self.ledger.record_tokens(utc_day(time.time()), prompt_tokens=reply.usage.prompt_tokens,
+                                      cached_tokens=0, output_tokens=0)
+        return web.json_response(openai_embeddings.embeddings_body(parsed.model, reply, parsed.encoding_format))
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         body = await read_json_object(request)

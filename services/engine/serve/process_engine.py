@@ -18,7 +18,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -28,7 +28,15 @@ from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.model.tokenizer import Tokenizer
 from services.engine.outputs import EngineSnapshot, RequestOutput
-from services.engine.serve.async_engine import AbortCommand, AddCommand, Command, EngineHandle, run_step_loop
+from services.engine.serve.async_engine import (
+    AbortCommand,
+    AddCommand,
+    Command,
+    EmbedCommand,
+    EmbedResult,
+    EngineHandle,
+    run_step_loop,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,13 @@ class _Ready:
 @dataclass(frozen=True)
 class _Added:
     request_id: str
+    error: BaseException | None
+
+
+@dataclass(frozen=True)
+class _Embedded:
+    request_id: str
+    vectors: list[bytes]
     error: BaseException | None
 
 
@@ -155,8 +170,14 @@ def _child_main(config: EngineConfig, conn: Connection) -> None:
     def on_step_error(exc: BaseException) -> None:
         replies.put(_Failed(_portable(exc)))
 
+    def on_embedded(request_id: str, result: EmbedResult) -> None:
+        if isinstance(result, BaseException):
+            replies.put(_Embedded(request_id, [], _portable(result)))
+        else:
+            replies.put(_Embedded(request_id, result, None))
+
     try:
-        run_step_loop(core, clock, next_command, on_added, publish, on_step_error)
+        run_step_loop(core, clock, next_command, on_added, publish, on_step_error, on_embedded)
     finally:
         replies.close()
 
@@ -206,6 +227,7 @@ class ProcessEngine(EngineHandle):
         self._commands: _PipeWriter | None = None
         self._gone = False  # the child's end of the pipe closed
         self._adds: dict[str, asyncio.Future[None]] = {}
+        self._embeds: dict[str, asyncio.Future[list[bytes]]] = {}
 
     async def __aenter__(self) -> ProcessEngine:
         self._loop = asyncio.get_running_loop()
@@ -281,6 +303,18 @@ class ProcessEngine(EngineHandle):
         self._commands.put(add)
         await done
 
+    async def embed(self, request_id: str, inputs: Sequence[Sequence[int]]) -> list[bytes]:
+        if self._gone:
+            raise RuntimeError(f"the engine process is gone: {self.step_error}")
+        assert self._loop is not None and self._commands is not None
+        done: asyncio.Future[list[bytes]] = self._loop.create_future()
+        self._embeds[request_id] = done
+        self._commands.put(EmbedCommand(request_id, [list(ids) for ids in inputs]))
+        try:
+            return await done
+        finally:
+            self._embeds.pop(request_id, None)
+
     def abort(self, request_id: str) -> None:
         if self._commands is not None:
             self._commands.put(AbortCommand(request_id))
@@ -301,6 +335,10 @@ class ProcessEngine(EngineHandle):
             done = self._adds.pop(msg.request_id, None)
             if done is not None and not done.done():
                 done.set_result(None) if msg.error is None else done.set_exception(msg.error)
+        elif isinstance(msg, _Embedded):
+            waiting = self._embeds.pop(msg.request_id, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(msg.vectors) if msg.error is None else waiting.set_exception(msg.error)
         elif isinstance(msg, _Failed):
             self.step_error = msg.error
 
@@ -316,6 +354,10 @@ class ProcessEngine(EngineHandle):
             if not done.done():
                 done.set_exception(RuntimeError("the engine process is gone"))
         self._adds.clear()
+        for waiting in self._embeds.values():
+            if not waiting.done():
+                waiting.set_exception(RuntimeError("the engine process is gone"))
+        self._embeds.clear()
         aborted = [RequestOutput(rid, "", (), "abort", 0, 0, 0) for rid, s in self._streams.items() if not s.finished]
         self._deliver(aborted, True)
 

@@ -27,6 +27,8 @@ from nats.aio.msg import Msg
 
 from proto import (
     Cancel,
+    EmbedReply,
+    EmbedRequest,
     ErrorInfo,
     GenerateRequest,
     ProtoDecodeError,
@@ -42,6 +44,7 @@ from services.common.runtime import new_session_id, raise_if_cancelling
 from services.engine.errors import DeadlineExceededError, EngineError
 from services.engine.outputs import RequestOutput
 from services.engine.serve.async_engine import EngineHandle, RequestStream
+from services.engine.serve.embedder import embed_reply
 from services.engine.serve.frontend import error_info, output_chunk, prepare_request
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,7 @@ class BusWorker:
         subs = [
             await self.nc.subscribe(subjects.gen(self.config.worker_id), cb=self._on_generate),
             await self.nc.subscribe(subjects.cancel(self.config.worker_id), cb=self._on_cancel),
+            await self.nc.subscribe(subjects.embed(self.config.worker_id), cb=self._on_embed),
         ]
         try:
             await self._heartbeats()
@@ -162,6 +166,43 @@ class BusWorker:
         task = asyncio.create_task(self._serve(req, msg.reply), name=f"gen-{req.request_id}")
         self._tasks[req.request_id] = task
         task.add_done_callback(functools.partial(self._forget_task, req.request_id))
+
+    async def _on_embed(self, msg: Msg) -> None:
+        """``llm.v1.embed.<worker_id>``: one EmbedReply per EmbedRequest (serve/embedder.py)."""
+        if not msg.reply:
+            log.warning("embed request without a reply inbox on %s: dropped", msg.subject)
+            return
+        try:
+            req = decode(msg.data, EmbedRequest)
+        except ProtoDecodeError as exc:
+            log.warning("rejected malformed EmbedRequest: %s", exc.reason)
+            await self.nc.publish(msg.reply, encode(EmbedReply(request_id="", error=ErrorInfo(
+                message=str(exc), type="invalid_request_error", status=400), worker_id=self.config.worker_id)))
+            return
+        if self._state != "ready" or req.request_id in self._tasks:
+            await self.nc.publish(msg.reply, encode(EmbedReply(request_id=req.request_id, error=ErrorInfo(
+                message="engine is shutting down", type="service_unavailable", status=503, retry_after_s=1),
+                worker_id=self.config.worker_id)))
+            return
+        task = asyncio.create_task(self._serve_embed(req, msg.reply), name=f"embed-{req.request_id}")
+        self._tasks[req.request_id] = task
+        task.add_done_callback(functools.partial(self._forget_task, req.request_id))
+
+    async def _serve_embed(self, req: EmbedRequest, inbox: str) -> None:
+        if req.deadline_s is not None and (now_s := self._wall_clock()) >= req.deadline_s:
+            self.engine.count_deadline_dropped()
+            late = DeadlineExceededError(req.deadline_s, now_s, "before admission")
+            reply = EmbedReply(request_id=req.request_id, error=error_info(late), worker_id=self.config.worker_id)
+        else:
+            reply = await embed_reply(self.engine, req, self.config.worker_id)
+        data = encode(reply)
+        max_payload = int(getattr(self.nc, "max_payload", 0) or 1024 * 1024)
+        if len(data) > max_payload:  # would never arrive: say why instead of leaving the gateway to time out
+            data = encode(EmbedReply(request_id=req.request_id, worker_id=self.config.worker_id, error=ErrorInfo(
+                message=f"the {len(reply.embeddings)} vectors take {len(data):,} bytes, over the bus's payload "
+                        f"limit of {max_payload:,}: send fewer inputs per request", type="invalid_request_error",
+                code="too_many_inputs", param="input", status=413)))
+        await self.nc.publish(inbox, data)
 
     def _forget_task(self, request_id: str, _task: asyncio.Task[None]) -> None:
         self._tasks.pop(request_id, None)

@@ -530,3 +530,18 @@ def test_graphs_refuse_an_attention_backend_that_reads_host_lengths(tmp_path) ->
     assert "CUDA graphs off (cpu, torch backend)" in llm.core.describe()
     with pytest.raises(ValueError, match="triton backend"):
         llm.core.runner.enable_decode_graphs(max_batch_size=2, max_context=32, capture=False)
+
+
+def test_embeddings_on_the_triton_backend_are_the_torch_backend_s(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """EngineCore.embed through the kernels (the CUDA path; the interpreter here) against the torch path:
+    the same pooled, normalised vectors to float32 rounding, for a batch of inputs of different lengths."""
+    from services.engine.llm import LLM
+    from services.engine.tiny_checkpoint import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "qwen3", arch="qwen3")
+    inputs = [[5, 6, 7, 8, 9, 10, 11], [12, 13], list(range(3, 40))]
+    vectors = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model, kv_capacity_tokens=512, max_concurrency=2, backend=backend, block_size=4)
+        vectors[backend] = torch.stack(llm.core.embed("r", inputs, 0.0))
+    assert _max_diff(vectors["triton"], vectors["torch"]) < 1e-5
