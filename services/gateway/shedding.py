@@ -5,9 +5,10 @@ Two signals, either one sheds:
 
 - **in flight**: inference requests open in this process (``/v1/*`` POSTs, from arrival until the answer's
   last byte) at or above ``max_in_flight``;
-- **event-loop lag**: a probe sleeps :data:`PROBE_INTERVAL_S` and measures how late it wakes. A loop that
-  wakes more than ``max_loop_lag_s`` late is saturated: every request it takes on makes every other one
-  slower. The probe's newest reading decides, so shedding stops as soon as the loop catches up.
+- **event-loop lag**: a probe sleeps :data:`PROBE_INTERVAL_S` and measures how late it wakes. A loop whose
+  last :data:`SUSTAINED_PROBES` probes all woke more than ``max_loop_lag_s`` late is saturated: every request
+  it takes on makes every other one slower. One late probe is a stall (a page fault, a long synchronous
+  call), not overload, and sheds nothing; one probe on time ends the shedding.
 
 Health, metrics, pages and admin routes are never shed (an overloaded gateway must still say so). Counted in
 ``/metrics`` as ``llmgw_shed_requests_total{reason}``, with ``llmgw_gateway_in_flight`` and
@@ -28,6 +29,7 @@ from services.common.http import HTTPError
 from services.common.prom import PromText
 
 PROBE_INTERVAL_S = 0.05
+SUSTAINED_PROBES = 3
 RETRY_AFTER_S = 1
 ShedReason = Literal["in_flight", "loop_lag"]
 
@@ -44,18 +46,20 @@ class LoadShedder:
         self.clock = clock
         self.in_flight = 0
         self.loop_lag_s = 0.0
+        self.late_probes = 0  # consecutive probes later than max_loop_lag_s
         self.shed: collections.Counter[ShedReason] = collections.Counter()
 
     def verdict(self) -> ShedReason | None:
         """Why a new request would be shed now, or None to take it."""
         if self.in_flight >= self.max_in_flight:
             return "in_flight"
-        if self.loop_lag_s > self.max_loop_lag_s:
+        if self.late_probes >= SUSTAINED_PROBES:
             return "loop_lag"
         return None
 
     def observe_lag(self, lag_s: float) -> None:
         self.loop_lag_s = max(0.0, lag_s)
+        self.late_probes = self.late_probes + 1 if self.loop_lag_s > self.max_loop_lag_s else 0
 
     async def probe(self) -> None:
         """Measure the event loop's lag forever (a background task)."""

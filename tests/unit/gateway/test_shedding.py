@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from services.common.prom import PromText
-from services.gateway.shedding import PROBE_INTERVAL_S, LoadShedder
+from services.gateway.shedding import PROBE_INTERVAL_S, SUSTAINED_PROBES, LoadShedder
 
 
 def test_in_flight_at_the_limit_sheds_and_says_why() -> None:
@@ -22,8 +22,14 @@ def test_in_flight_at_the_limit_sheds_and_says_why() -> None:
     assert s.shed["in_flight"] == 1
 
 
-def test_loop_lag_sheds_only_while_the_newest_probe_is_late() -> None:
+def test_loop_lag_sheds_only_while_it_is_sustained() -> None:
     s = LoadShedder(max_in_flight=100, max_loop_lag_s=0.25)
+    s.observe_lag(10.0)  # one stall (a long synchronous call) is not overload
+    assert s.verdict() is None
+    s.observe_lag(0.01)
+    for _ in range(SUSTAINED_PROBES - 1):
+        s.observe_lag(0.6)
+        assert s.verdict() is None
     s.observe_lag(0.6)
     assert s.verdict() == "loop_lag" and "600 ms behind" in s.refusal("loop_lag").message
     s.observe_lag(0.01)  # caught up: taking requests again at once
@@ -42,9 +48,10 @@ async def test_the_probe_measures_a_blocked_loop() -> None:
     import time
     s = LoadShedder(max_in_flight=100, max_loop_lag_s=0.1)
     task = asyncio.create_task(s.probe())
-    await asyncio.sleep(PROBE_INTERVAL_S / 2)
-    time.sleep(0.3)  # the loop is blocked: the probe wakes late
-    await asyncio.sleep(PROBE_INTERVAL_S)
+    for _ in range(SUSTAINED_PROBES + 1):  # a loop kept busy: every probe wakes late
+        await asyncio.sleep(PROBE_INTERVAL_S / 2)
+        time.sleep(0.3)
+    await asyncio.sleep(PROBE_INTERVAL_S / 5)
     assert s.loop_lag_s > 0.2 and s.verdict() == "loop_lag"
     await asyncio.sleep(PROBE_INTERVAL_S * 3)
     assert s.verdict() is None
