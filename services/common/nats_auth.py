@@ -130,3 +130,24 @@ def url_with_credentials(url: str, user: str, password: str) -> str:
         host = parts.netloc.rpartition("@")[2]
         out.append(urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{host}")))
     return ",".join(out)
+
+
+def password_variable(role: str) -> str:
+    """The environment variable a shipped NATS config reads ``role``'s password from."""
+    return f"NATS_{role.upper()}_PASSWORD"
+
+
+def permissions_conf() -> str:
+    """``deploy/nats/permissions.conf``: the same users and permissions for an operator's own nats-server,
+    each password read from :func:`password_variable` (the server refuses to start while one is unset; a
+    ``$2a$`` bcrypt hash in the variable works too)."""
+    users = [
+        f"    {{ user: {json.dumps(role)}, password: ${password_variable(role)},\n"
+        f"      permissions: {json.dumps(PERMISSIONS[role])} }}"
+        for role in ROLES
+    ]
+    return ("# Generated from services/common/nats_auth.py (PERMISSIONS): one user per llmgw role with the subjects\n"
+            "# it needs; tests/unit/test_nats_permissions.py keeps the two equal. Passwords come from the\n"
+            "# environment: " + ", ".join(password_variable(r) for r in ROLES) + ".\n"
+            "# Use it with `include permissions.conf` in place of another authorization block (docs/deploy.md).\n"
+            "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n")
