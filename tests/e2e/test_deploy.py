@@ -28,6 +28,7 @@ import yaml
 from nats.aio.msg import Msg
 
 from proto import pools as pool_config
+from services.common import nats_auth
 from services.common.bus import connect
 from services.common.nats_server import EmbeddedNatsServer, find_binary
 from services.engine.__main__ import add_arguments as engine_arguments
@@ -52,6 +53,10 @@ ninfer-serve /var/lib/ninfer/qwen3_8_27b_nvfp4_v3.ninfer \
 """)
 
 
+# the role users of deploy/nats/permissions.conf, as an operator's .env would set them
+ROLE_PASSWORDS = {nats_auth.password_variable(role): f"pw-{role}" for role in nats_auth.ROLES}
+
+
 def tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
@@ -66,6 +71,7 @@ def compose_config(*args: str, compose_file: Path = COMPOSE) -> subprocess.Compl
     """``docker-compose config`` with the committed env example standing in for an operator's .env."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMGW_", "COMPOSE_", "NATS_"))}
     env["LLMGW_ENV_FILE"] = str(ENV_EXAMPLE)
+    env |= ROLE_PASSWORDS  # what an operator's .env sets (env.example leaves them commented out)
     return subprocess.run([tool("docker-compose"), "-f", str(compose_file), "--project-directory", str(REPO),
                            "--env-file", str(ENV_EXAMPLE), *args, "config"],
                           capture_output=True, text=True, timeout=60, env=env)
@@ -149,7 +155,21 @@ def test_engine_commands_are_accepted_by_ninfer_serve_and_keep_metrics_state_on_
         assert mounts(svc)["/var/lib/llmgw"] == ("engine-state", False)  # a named volume
         assert Path(args.metrics_state).parent == Path("/var/lib/llmgw")
         assert mounts(svc)["/models"] == (str(REPO / "models"), True)
-        assert svc["environment"]["NATS_URL"] == "nats://nats:4222"  # joins the bus as a worker
+        # joins the bus as a worker, as the engine user of deploy/nats/permissions.conf
+        assert svc["environment"]["NATS_URL"] == "nats://engine:pw-engine@nats:4222"
+
+
+def test_every_service_joins_the_bus_as_its_own_role_and_nats_loads_the_permissions() -> None:
+    services = resolved("cpu")["services"]
+    for name, role in (("gateway", "gateway"), ("accounting", "accounting"), ("telemetry", "telemetry"),
+                       ("engine-cpu", "engine")):
+        assert services[name]["environment"]["NATS_URL"] == f"nats://{role}:pw-{role}@nats:4222", name
+    nats = services["nats"]
+    source, read_only = mounts(nats)["/etc/nats/permissions.conf"]
+    assert Path(source) == REPO / "deploy" / "nats" / "permissions.conf" and read_only
+    assert "include permissions.conf" in (REPO / "deploy" / "nats" / "nats.conf").read_text()
+    # the env file reaches the server (compose config inlines env_file): the role passwords come from there
+    assert "LLMGW_GATEWAY_ID" in nats.get("environment", {}), "the nats service needs the env file"
 
 
 def test_state_lives_on_named_volumes_and_only_the_gateway_is_published() -> None:
@@ -363,7 +383,7 @@ def test_everything_the_image_copies_exists_and_is_in_the_build_context() -> Non
 @pytest.mark.parametrize("name", ["nats.conf", "cluster-1.conf", "cluster-2.conf", "cluster-3.conf"])
 def test_nats_configs_are_accepted_by_nats_server(name: str) -> None:
     conf = REPO / "deploy" / "nats" / name
-    env = {**os.environ, "NATS_CLIENT_PASSWORD": "test-client", "NATS_ADMIN_PASSWORD": "test-admin"}
+    env = {**os.environ, "NATS_CLIENT_PASSWORD": "test-client", "NATS_ADMIN_PASSWORD": "test-admin", **ROLE_PASSWORDS}
     out = subprocess.run([find_binary(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     text = conf.read_text()
