@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from services.common import nats_auth
-from services.common.nats_server import EmbeddedNatsServer, set_parent_death_signal
+from services.common.nats_server import EmbeddedNatsServer, NatsServerError, set_parent_death_signal
 from services.common.runtime import (
     atomic_write_text,
     data_dir,
@@ -271,7 +271,10 @@ async def _supervise(waits: dict[asyncio.Future[int], Child], server: EmbeddedNa
                 if finished is nats_wait:
                     assert server is not None
                     count("nats-server", finished.result())
-                    await server.restart()
+                    try:
+                        await server.restart()
+                    except NatsServerError as exc:
+                        raise StackError(f"the NATS server could not be restarted: {exc}") from None
                     nats_wait = asyncio.ensure_future(server.wait())
                     continue
                 child = waits.pop(finished)
