@@ -3,8 +3,14 @@
 Starts an embedded nats-server (unless ``NATS_URL`` is set), then the accounting, telemetry, engine and
 gateway services as child processes, each with its own log prefix. Prints where the gateway listens
 and how to call it once every child has printed its readiness line. Ctrl-C (or SIGTERM) stops every
-child, then the NATS server: nothing is left running. A child that exits on its own is restarted;
-one that keeps exiting (5 times in a minute) stops the whole stack with its name.
+child, then the NATS server: nothing is left running. A child (or the NATS server) that exits on its own
+is restarted; one that keeps exiting (5 times in a minute) stops the whole stack with its name.
+
+The embedded NATS requires a user per service with per-role subject permissions
+(:mod:`services.common.nats_auth`); each child gets its own user in ``NATS_URL``. The engine's own HTTP
+API requires the internal key in ``DATA/engine.key``. A second ``llmgw up`` on the same data directory
+stops with one line (``DATA/up.lock``); a start that fails after creating the first admin prints the
+admin password and API key it made.
 
 Part of the composition root (:mod:`services.cli`), the one place that knows every service: it imports
 ``services.gateway.identity`` to create the first admin user and API key before the gateway starts, so the
@@ -17,17 +23,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from services.common.nats_server import EmbeddedNatsServer, set_parent_death_signal
-from services.common.runtime import data_dir, run_async_main, setup_logging, write_stack_file
+from services.common import nats_auth
+from services.common.nats_server import EmbeddedNatsServer, NatsServerError, set_parent_death_signal
+from services.common.runtime import (
+    atomic_write_text,
+    data_dir,
+    read_stack_file,
+    run_async_main,
+    setup_logging,
+    write_stack_file,
+)
 
 log = logging.getLogger("llmgw.up")
 
@@ -117,21 +134,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def run(args: argparse.Namespace) -> None:
     data = data_dir(args.data_dir)
-    model = Path(args.model).resolve() if args.model else default_model(data)
-    model_id = args.model_id or model.name
-    credentials = _bootstrap_identity(data)
+    with _single_stack(data):
+        model = Path(args.model).resolve() if args.model else default_model(data)
+        model_id = args.model_id or model.name
+        credentials = _bootstrap_identity(data)
+        shown = False
+        try:
+            shown = await _run_stack(args, data, model, model_id, credentials)
+        finally:
+            if credentials is not None and not shown:
+                # the admin and the first key exist now; a later start will not show them again
+                print(_unshown_credentials(credentials, data), file=sys.stderr, flush=True)
+
+
+async def _run_stack(args: argparse.Namespace, data: Path, model: Path, model_id: str,
+                     credentials: tuple[str, str] | None) -> bool:
+    """Start everything, print the banner, supervise; True once the banner (with any credentials) is out."""
+    engine_key = _engine_key(data)
     async with contextlib.AsyncExitStack() as stack:
         url = os.environ.get("NATS_URL")
-        if not url:
-            server = await stack.enter_async_context(EmbeddedNatsServer(data / "nats"))
+        server: EmbeddedNatsServer | None = None
+        if url:  # an operator's own bus: its URL carries whatever credentials that bus wants
+            urls = dict.fromkeys(nats_auth.ROLES, url)
+        else:
+            bus_creds = nats_auth.load_or_create_credentials(data / "nats")
+            server = await stack.enter_async_context(
+                EmbeddedNatsServer(data / "nats", authorization=nats_auth.authorization_conf(bus_creds)))
             url = server.url
-        env = {**os.environ, "NATS_URL": url, "LLMGW_DATA_DIR": str(data), "PYTHONUNBUFFERED": "1"}
+            urls = {role: nats_auth.url_with_credentials(url, role, bus_creds[role]) for role in nats_auth.ROLES}
+        base_env = {k: v for k, v in os.environ.items() if k != "NINFER_API_KEY"}
+        base_env |= {"LLMGW_DATA_DIR": str(data), "PYTHONUNBUFFERED": "1"}
+
+        def env(role: str, **extra: str) -> dict[str, str]:
+            return {**base_env, "NATS_URL": urls[role], **extra}
+
         py = [sys.executable, "-m"]
         children = [
-            Child("accounting", [*py, "services.accounting"], env),
-            Child("telemetry", [*py, "services.telemetry"], env),
-            Child("engine", [*py, "services.engine", str(model), "--model-id", model_id, "--port", "0"], env),
-            Child("gateway", [*py, "services.gateway", "--host", args.host, "--port", str(args.port)], env),
+            Child("accounting", [*py, "services.accounting"], env("accounting")),
+            Child("telemetry", [*py, "services.telemetry"], env("telemetry")),
+            # its own HTTP port answers only with the internal key (the gateway reaches it over the bus)
+            Child("engine", [*py, "services.engine", str(model), "--model-id", model_id, "--port", "0"],
+                  env("engine", NINFER_API_KEY=engine_key)),
+            Child("gateway", [*py, "services.gateway", "--host", args.host, "--port", str(args.port)], env("gateway")),
         ]
         for child in reversed(children):  # stop in reverse: gateway first, accounting last
             stack.push_async_callback(child.stop)
@@ -149,31 +193,99 @@ async def run(args: argparse.Namespace) -> None:
         gateway_url = children[-1].ready.result().removeprefix("listening on ").strip()
         accounting_url = children[0].ready.result().removeprefix("listening on ").split(";", 1)[0].strip()
         await _wait_for_model(gateway_url, model_id)
-        write_stack_file(data, {"nats_url": url, "gateway_url": gateway_url, "accounting_url": accounting_url,
-                                "model_id": model_id, "pid": os.getpid()})
+        # stack.json is 0600 (atomic_write_text): `llmgw sql` takes the admin's bus URL from it
+        write_stack_file(data, {"nats_url": urls["admin"], "gateway_url": gateway_url,
+                                "accounting_url": accounting_url, "model_id": model_id, "pid": os.getpid()})
         stack.callback(lambda: (data / "stack.json").unlink(missing_ok=True))
         print(_banner(gateway_url, accounting_url, model_id, url, data, credentials), flush=True)
-        await _supervise(waits)
+        await _supervise(waits, server)
+    return True
 
 
-async def _supervise(waits: dict[asyncio.Future[int], Child]) -> None:
-    """Restart a child that exits on its own; give up when one exits 5 times within a minute."""
+@contextlib.contextmanager
+def _single_stack(data: Path) -> Iterator[None]:
+    """Hold ``DATA/up.lock`` (an flock, released by the kernel however this process ends) while the stack runs:
+    a second ``llmgw up`` on the same data directory stops with one line instead of starting a second NATS on
+    the same JetStream directory."""
+    path = data / "up.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StackError(_already_running(data, os.pread(fd, 64, 0).decode(errors="replace").strip())) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _already_running(data: Path, pid: str) -> str:
+    info = read_stack_file(data) or {}
+    gateway = info.get("gateway_url") or "still starting"
+    return (f"the stack already runs (pid {pid or '?'}, gateway {gateway}, data dir {data}); "
+            f"stop it first (Ctrl-C in its terminal, or kill {pid or '<pid>'})")
+
+
+def _engine_key(data: Path) -> str:
+    """The internal key of the engine's own HTTP API (``DATA/engine.key``, 0600, made once)."""
+    path = data / "engine.key"
+    with contextlib.suppress(FileNotFoundError):
+        if key := path.read_text().strip():
+            return key
+    key = "sk-engine-" + secrets.token_urlsafe(24)
+    atomic_write_text(path, key + "\n")
+    return key
+
+
+def _unshown_credentials(credentials: tuple[str, str], data: Path) -> str:
+    password, key = credentials
+    return ("llmgw up: the stack did not come up, but this first start created the admin user and an API key "
+            "(they will not be shown again):\n"
+            f"   admin sign-in: user admin  password {password}\n"
+            f"   API key: {key}\n"
+            f"   (lost them? LLMGW_DATA_DIR={data} .venv/bin/llmgw admin reset-password admin)")
+
+
+async def _supervise(waits: dict[asyncio.Future[int], Child], server: EmbeddedNatsServer | None = None) -> None:
+    """Restart a child (or the embedded nats-server) that exits on its own; give up when one exits 5 times
+    within a minute. The server comes back on the same port, so every client's URL still holds."""
     restarts: dict[str, list[float]] = {}
-    while True:
-        done, _ = await asyncio.wait(list(waits), return_when=asyncio.FIRST_COMPLETED)
-        for finished in done:
-            child = waits.pop(finished)
-            now = time.monotonic()
-            recent = [t for t in restarts.get(child.name, []) if now - t < RESTART_WINDOW_S]
-            if len(recent) >= MAX_RESTARTS:
-                raise StackError(f"{child.name} exited {len(recent) + 1} times within a minute "
-                                 f"(last code {finished.result()}); stopping the stack")
-            log.warning("%s exited (code %s); restarting it", child.name, finished.result())
-            await asyncio.sleep(1.0)
-            restarts[child.name] = [*recent, now]
-            await child.start()
-            assert child.proc is not None
-            waits[asyncio.ensure_future(child.proc.wait())] = child
+    nats_wait: asyncio.Future[int] | None = asyncio.ensure_future(server.wait()) if server is not None else None
+
+    def count(name: str, code: object) -> None:
+        now = time.monotonic()
+        recent = [t for t in restarts.get(name, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= MAX_RESTARTS:
+            raise StackError(f"{name} exited {len(recent) + 1} times within a minute "
+                             f"(last code {code}); stopping the stack")
+        log.warning("%s exited (code %s); restarting it", name, code)
+        restarts[name] = [*recent, now]
+
+    try:
+        while True:
+            pending: list[asyncio.Future[int]] = [*waits, *([nats_wait] if nats_wait is not None else [])]
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for finished in done:
+                if finished is nats_wait:
+                    assert server is not None
+                    count("nats-server", finished.result())
+                    try:
+                        await server.restart()
+                    except NatsServerError as exc:
+                        raise StackError(f"the NATS server could not be restarted: {exc}") from None
+                    nats_wait = asyncio.ensure_future(server.wait())
+                    continue
+                child = waits.pop(finished)
+                count(child.name, finished.result())
+                await asyncio.sleep(1.0)
+                await child.start()
+                assert child.proc is not None
+                waits[asyncio.ensure_future(child.proc.wait())] = child
+    finally:
+        if nats_wait is not None:
+            nats_wait.cancel()
 
 
 async def _wait_for_model(gateway_url: str, model_id: str, timeout_s: float = 60.0) -> None:
@@ -220,10 +332,11 @@ def _banner(gateway_url: str, accounting_url: str, model_id: str, nats_url: str,
     return f"""
 ================================================================================
  llmgw is up.  Gateway: {gateway_url}   (NATS {nats_url}, data in {data})
+   The bus is authenticated: one user per service, passwords in {data}/nats/credentials.json
 {first}
 
    curl -s {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' \\
-     -H 'Authorization: Bearer {key_shown}' \\
+     -H "Authorization: Bearer {key_shown}" \\
      -d '{{"model":"{model_id}","messages":[{{"role":"user","content":"hi"}}]}}'
 
    OpenAI SDK: OpenAI(base_url="{gateway_url}/v1", api_key="{key_shown}")

@@ -17,6 +17,8 @@ import signal
 import sys
 from pathlib import Path
 
+from services.common.runtime import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
@@ -54,8 +56,9 @@ def set_parent_death_signal() -> None:
 class EmbeddedNatsServer:
     """``async with EmbeddedNatsServer(store_dir) as srv: srv.url``."""
 
-    def __init__(self, store_dir: Path, port: int = -1, host: str = "127.0.0.1") -> None:
+    def __init__(self, store_dir: Path, port: int = -1, host: str = "127.0.0.1", authorization: str = "") -> None:
         self.store_dir = Path(store_dir)
+        self.authorization = authorization  # an ``authorization { ... }`` block (services/common/nats_auth.py)
         self.port = port
         self.host = host
         self.url = ""
@@ -72,11 +75,12 @@ class EmbeddedNatsServer:
     async def start(self, timeout_s: float = 15.0) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
-        conf.write_text(
+        atomic_write_text(conf, (  # 0600: it holds the users' password hashes
             f'listen: "{self.host}:{self.port}"\n'
             f"max_payload: {MAX_PAYLOAD_BYTES}\n"
             f'jetstream {{ store_dir: "{self.store_dir.resolve()}" }}\n'
-        )
+            + self.authorization
+        ))
         self._proc = await asyncio.create_subprocess_exec(
             find_binary(), "-c", str(conf),
             stdout=asyncio.subprocess.DEVNULL,
@@ -112,6 +116,24 @@ class EmbeddedNatsServer:
     async def _drain(stream: asyncio.StreamReader) -> None:
         while await stream.readline():
             pass
+
+    async def restart(self) -> None:
+        """Start it again after it exited, on the port it had (clients reconnect to the same URL)."""
+        await self.stop()
+        if self.url:
+            self.port = int(self.url.rsplit(":", 1)[1])
+        log.warning("nats-server is being restarted on %s", self.url or f"port {self.port}")
+        await self.start()
+
+    @property
+    def returncode(self) -> int | None:
+        """None while the server runs (or before it started), else its exit status."""
+        return None if self._proc is None else self._proc.returncode
+
+    async def wait(self) -> int:
+        """Until the server process exits; its exit status."""
+        assert self._proc is not None, "start() first"
+        return await self._proc.wait()
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         proc, self._proc = self._proc, None

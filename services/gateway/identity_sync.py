@@ -13,6 +13,10 @@ per row, ``users.<user_id>`` / ``api_keys.<key_id>`` / ``limits.<principal>``, a
   re-establishes after a reconnect; a full pass every :data:`RESYNC_S` catches what an outage hid and
   what ``llmgw admin`` wrote into this gateway's file behind its back.
 
+Every row put here is signed with the fleet secret, and a row without a valid signature is ignored
+(:mod:`services.gateway.identity_signing`; logged once per cause), so only this fleet's gateways can
+add a user or a key, whoever else reaches the bucket.
+
 Per row, the version with the later ``updated_s`` wins. Sessions are not shared: a browser signs in
 to each gateway it talks to (use sticky sessions for the admin pages behind a load balancer).
 """
@@ -34,6 +38,7 @@ from nats.js.kv import KeyValue
 
 from proto import IDENTITY_ROWS, ProtoDecodeError, decode_json, encode_json, subjects
 from services.common.runtime import raise_if_cancelling
+from services.gateway import identity_signing
 from services.gateway.identity import REPLICATED, IdentityStore
 
 log = logging.getLogger(__name__)
@@ -52,8 +57,11 @@ def entry_key(table: str, row: dict[str, Any]) -> str:
 class IdentitySync:
     """Keeps an :class:`IdentityStore` in step with the bus bucket (see the module doc)."""
 
-    def __init__(self, nc: Client, store: IdentityStore, gateway_id: str) -> None:
+    def __init__(self, nc: Client, store: IdentityStore, gateway_id: str, secret: bytes) -> None:
         self.nc = nc
+        self.secret = secret  # the fleet secret the rows are signed with
+        self.refused = 0  # rows ignored for a missing or bad signature
+        self._refusal_logged: set[str] = set()
         self.store = store
         self.gateway_id = gateway_id
         self.kv: KeyValue | None = None
@@ -146,7 +154,8 @@ class IdentitySync:
                 await self._sub.unsubscribe()
 
     def _local_change(self, table: str, row: dict[str, Any]) -> None:
-        self._outbox[entry_key(table, row)] = encode_json(IDENTITY_ROWS[table](**row))
+        key = entry_key(table, row)
+        self._outbox[key] = identity_signing.sign(self.secret, key, encode_json(IDENTITY_ROWS[table](**row)))
         self._wake.set()
 
     async def _send_outbox(self) -> None:
@@ -188,6 +197,15 @@ class IdentitySync:
     def _apply(self, key: str, value: bytes) -> dict[str, Any] | None:
         """Apply one bucket entry; the decoded row, or None when it was refused."""
         table = key.partition(".")[0]
+        problem = identity_signing.check(self.secret, key, value)
+        if problem is not None:
+            self.refused += 1
+            if problem not in self._refusal_logged:  # once per cause: a flood of forged rows is not a flood of logs
+                self._refusal_logged.add(problem)
+                log.warning("ignored shared identity entry %s: its signature is %s (not written by a gateway "
+                            "with this fleet's secret; set the same LLMGW_FLEET_SECRET on every gateway); "
+                            "further entries refused for this cause are counted, not logged", key, problem)
+            return None
         try:
             row_type = IDENTITY_ROWS.get(table)
             if row_type is None:

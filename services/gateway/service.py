@@ -37,7 +37,7 @@ from services.common import openai_api
 from services.common.http import HTTPError, body_deadline_middleware, error_middleware, read_json_object, serving
 from services.common.prom import CONTENT_TYPE, PromText
 from services.common.runtime import HotPathLog, ThrottledLog, new_session_id
-from services.gateway import pools, routing_adapter
+from services.gateway import identity_signing, pools, routing_adapter
 from services.gateway.auth import Admission, Auth, LimitExceeded, parse_networks, save_usage_periodically
 from services.gateway.fleet import Fleet, HeartbeatIntake
 from services.gateway.forwarder import ABORT_REPORT_WAIT_S, Forwarder, GatewayMetrics, Outcome
@@ -97,7 +97,7 @@ class GatewayService:
         last_good = data / LAST_GOOD_NAME
         file_config, config_problem = initial_file_config(config_path, file_config, last_good)
         self.identity = IdentityStore(data / "identity")
-        self.identity_sync = IdentitySync(nc, self.identity, config.gateway_id)
+        self.identity_sync = IdentitySync(nc, self.identity, config.gateway_id, identity_signing.fleet_secret(data))
         self.auth = Auth(self.identity, parse_networks(config.trusted_networks),
                          file_config.limits.max_concurrent_per_key, config.gateway_id)
         self.bootstrap: tuple[str, str] | None = None  # (admin password, API key) printed at a first start

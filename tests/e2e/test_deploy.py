@@ -28,6 +28,7 @@ import yaml
 from nats.aio.msg import Msg
 
 from proto import pools as pool_config
+from services.common import nats_auth
 from services.common.bus import connect
 from services.common.nats_server import EmbeddedNatsServer, find_binary
 from services.engine.__main__ import add_arguments as engine_arguments
@@ -52,6 +53,10 @@ ninfer-serve /var/lib/ninfer/qwen3_8_27b_nvfp4_v3.ninfer \
 """)
 
 
+# the role users of deploy/nats/permissions.conf, as an operator's .env would set them
+ROLE_PASSWORDS = {nats_auth.password_variable(role): f"pw-{role}" for role in nats_auth.ROLES}
+
+
 def tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
@@ -65,6 +70,7 @@ def tool(name: str) -> str:
 def compose_config(*args: str, compose_file: Path = COMPOSE) -> subprocess.CompletedProcess[str]:
     """``docker-compose config`` with the committed env example standing in for an operator's .env."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMGW_", "COMPOSE_", "NATS_"))}
+    env |= ROLE_PASSWORDS  # what an operator's .env may set (env.example leaves them commented out)
     return subprocess.run([tool("docker-compose"), "-f", str(compose_file), "--project-directory", str(REPO),
                            "--env-file", str(ENV_EXAMPLE), *args, "config"],
                           capture_output=True, text=True, timeout=60, env=env)
@@ -131,7 +137,7 @@ def test_compose_needs_no_env_file_and_serves_the_model_id_the_readme_asks_for(p
         for key, value in (svc.get("environment") or {}).items():
             assert "${" not in str(value), (key, value)  # every default interpolated
     gateway = services["gateway"]["environment"]
-    assert gateway["NATS_URL"] == "nats://nats:4222" and gateway["LLMGW_GATEWAY_ID"] == "gw-1"
+    assert gateway["LLMGW_NATS_HOST"] == "nats:4222" and gateway["LLMGW_GATEWAY_ID"] == "gw-1"
     assert not gateway.get("LLMGW_ADMIN_PASSWORD")  # generated at first start and shown once
 
 
@@ -174,14 +180,73 @@ def test_engine_commands_are_accepted_by_ninfer_serve_and_keep_metrics_state_on_
         assert mounts(svc)["/var/lib/llmgw"] == ("engine-state", False)  # a named volume
         assert Path(args.metrics_state).parent == Path("/var/lib/llmgw")
         assert mounts(svc)["/models"] == (str(REPO / "models"), True)
-        assert svc["environment"]["NATS_URL"] == "nats://nats:4222"  # joins the bus as a worker
+        # joins the bus as a worker, as the engine user of deploy/nats/permissions.conf
+        assert svc["entrypoint"] == ["/bin/sh", "/usr/local/bin/with-bus-user", "engine"]
+
+
+def test_every_service_joins_the_bus_as_its_own_role_and_nats_loads_the_permissions() -> None:
+    services = resolved("cpu")["services"]
+    script = REPO / "deploy" / "compose" / "with-bus-user.sh"
+    for name, role in (("gateway", "gateway"), ("accounting", "accounting"), ("telemetry", "telemetry"),
+                       ("engine-cpu", "engine")):
+        svc = services[name]
+        assert svc["entrypoint"] == ["/bin/sh", "/usr/local/bin/with-bus-user", role], name
+        assert mounts(svc)["/usr/local/bin/with-bus-user"] == (str(script), True)
+        assert mounts(svc)["/run/llmgw-bus"] == ("bus-secrets", True)  # reads its password, writes nothing
+    nats = services["nats"]
+    source, read_only = mounts(nats)["/etc/nats/permissions.conf"]
+    assert Path(source) == REPO / "deploy" / "nats" / "permissions.conf" and read_only
+    assert "include permissions.conf" in (REPO / "deploy" / "nats" / "nats.conf").read_text()
+    assert nats["entrypoint"] == ["/bin/sh", "/etc/nats/nats-start.sh"]
+    assert mounts(nats)["/run/llmgw-bus"] == ("bus-secrets", False)
+    # every role's password reaches the server from .env when set (else it is generated: below)
+    assert set(nats["environment"]) == set(ROLE_PASSWORDS)
+
+
+def _run_script(script: str, env: dict[str, str], fake: str, tmp_path: Path, *args: str) -> str:
+    """Run deploy/compose/<script> with a stand-in ``fake`` command on PATH that prints its environment."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stub = bin_dir / fake
+    stub.write_text('#!/bin/sh\necho "ARGS=$*"; env | grep -E "^NATS_" | sort\n')
+    stub.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "LLMGW_"))}
+    out = subprocess.run(["/bin/sh", str(REPO / "deploy" / "compose" / script), *args], capture_output=True,
+                         text=True, timeout=30, env={**clean, "PATH": f"{bin_dir}:{clean['PATH']}", **env})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_compose_bus_passwords_are_generated_once_without_an_env_file_and_each_service_uses_its_own(
+        tmp_path: Path) -> None:
+    secrets = tmp_path / "bus-secrets"
+    secrets.mkdir()
+    env = {"LLMGW_BUS_SECRETS_DIR": str(secrets)}
+    first = _run_script("nats-start.sh", env, "nats-server", tmp_path)
+    assert "ARGS=-c /etc/nats/nats.conf" in first
+    passwords = {role: (secrets / role).read_text() for role in nats_auth.ROLES}
+    assert all(len(p) == 32 and p.isalnum() for p in passwords.values()) and len(set(passwords.values())) == 5
+    assert all(f"{nats_auth.password_variable(r)}={p}" in first for r, p in passwords.items())
+    assert all((secrets / r).stat().st_mode & 0o077 == 0 for r in nats_auth.ROLES)  # 0600
+    again = _run_script("nats-start.sh", env, "nats-server", tmp_path)  # a restart keeps them
+    assert {role: (secrets / role).read_text() for role in nats_auth.ROLES} == passwords
+    assert "generated" in first and "generated" not in again
+    chosen = _run_script("nats-start.sh", {**env, "NATS_GATEWAY_PASSWORD": "from-env-file"}, "nats-server", tmp_path)
+    assert "NATS_GATEWAY_PASSWORD=from-env-file" in chosen and (secrets / "gateway").read_text() == "from-env-file"
+    # each service builds its URL from its own role's password, or takes .env's NATS_URL as it is
+    joined = _run_script("with-bus-user.sh", env, "llmgw", tmp_path, "engine", "engine", "/models/x")
+    assert f"NATS_URL=nats://engine:{passwords['engine']}@nats:4222" in joined and "ARGS=engine /models/x" in joined
+    elsewhere = _run_script("with-bus-user.sh", {**env, "NATS_URL": "nats://u:p@bus.example:4222"}, "llmgw",
+                            tmp_path, "gateway", "gateway")
+    assert "NATS_URL=nats://u:p@bus.example:4222" in elsewhere
 
 
 def test_state_lives_on_named_volumes_and_only_the_gateway_is_published() -> None:
     config = resolved("cpu")
     services = config["services"]
     assert set(config["volumes"]) >= {"nats-data", "ledger", "engine-state", "gateway-data"}
-    volume_of = {name: {src: dst for dst, (src, _) in mounts(svc).items() if not src.startswith("/")}
+    volume_of = {name: {src: dst for dst, (src, _) in mounts(svc).items()
+                        if not src.startswith("/") and src != "bus-secrets"}  # (the bus test covers that one)
                  for name, svc in services.items()}
     assert volume_of["accounting"] == {"ledger": "/var/lib/llmgw"}  # DuckDB: DATA_DIR/accounting.duckdb
     assert volume_of["gateway"] == {"gateway-data": "/var/lib/llmgw"}
@@ -206,7 +271,8 @@ def test_state_lives_on_named_volumes_and_only_the_gateway_is_published() -> Non
 
 def test_nats_runs_the_committed_config_with_jetstream_on_its_volume_and_an_8mb_payload() -> None:
     nats = resolved()["services"]["nats"]
-    assert nats["image"].startswith("nats:") and nats["command"] == ["-c", "/etc/nats/nats.conf"]
+    assert nats["image"].startswith("nats:") and nats["entrypoint"] == ["/bin/sh", "/etc/nats/nats-start.sh"]
+    assert "exec nats-server -c /etc/nats/nats.conf" in (REPO / "deploy" / "compose" / "nats-start.sh").read_text()
     source, read_only = mounts(nats)["/etc/nats/nats.conf"]
     assert Path(source) == REPO / "deploy" / "nats" / "nats.conf" and read_only
     assert mounts(nats)["/data"] == ("nats-data", False)
@@ -390,7 +456,7 @@ def test_everything_the_image_copies_exists_and_is_in_the_build_context() -> Non
 @pytest.mark.parametrize("name", ["nats.conf", "cluster-1.conf", "cluster-2.conf", "cluster-3.conf"])
 def test_nats_configs_are_accepted_by_nats_server(name: str) -> None:
     conf = REPO / "deploy" / "nats" / name
-    env = {**os.environ, "NATS_CLIENT_PASSWORD": "test-client", "NATS_ADMIN_PASSWORD": "test-admin"}
+    env = {**os.environ, "NATS_CLIENT_PASSWORD": "test-client", "NATS_ADMIN_PASSWORD": "test-admin", **ROLE_PASSWORDS}
     out = subprocess.run([find_binary(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     text = conf.read_text()

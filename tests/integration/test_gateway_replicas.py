@@ -19,6 +19,12 @@ from services.gateway.service import GatewayConfig, GatewayService
 from tests.integration.conftest import wait_for
 
 
+@pytest.fixture(autouse=True)
+def fleet_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gateways with their own data directories share rows only with one fleet secret (identity_signing.py)."""
+    monkeypatch.setenv("LLMGW_FLEET_SECRET", "replicas-test-fleet-secret")
+
+
 @contextlib.asynccontextmanager
 async def gateway(url: str, data_dir: Path, gateway_id: str) -> AsyncIterator[GatewayService]:
     client = await connect(url, gateway_id)

@@ -1,5 +1,6 @@
 """Issue #25: deploy/env.example documented LLMGW_ADMIN_PASSWORD and LLMGW_SECRET_KEY, which nothing read.
-Every variable it names is read by the code or by compose.yaml; LLMGW_ADMIN_PASSWORD sets the first admin's."""
+Every variable it names is read by the code, by compose.yaml or by the shipped NATS configs;
+LLMGW_ADMIN_PASSWORD sets the first admin's."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def _documented() -> set[str]:
 def _read_somewhere(name: str) -> bool:
     sources = [p.read_text() for p in (ROOT / "services").rglob("*.py")]
     sources += [(ROOT / "compose.yaml").read_text()]
+    # nats-server reads $NAME in its config files (deploy/nats/permissions.conf: the role users' passwords)
+    sources += [p.read_text() for p in (ROOT / "deploy" / "nats").glob("*.conf")]
     return any(re.search(rf"\b{name}\b", text) for text in sources)
 
 

@@ -1,0 +1,154 @@
+"""Who may say what on the bus: one NATS user per role, with per-role subject permissions.
+
+``llmgw up`` runs its embedded nats-server with the ``authorization`` block :func:`authorization_conf`
+writes: one user per role (:data:`ROLES`), each with a generated password kept in
+``DATA/nats/credentials.json`` (mode 0600) and only its bcrypt hash in the server's config file
+(nats-server compares ``$2a$`` passwords with bcrypt: docs.nats.io, "Username/Password", bcrypted
+passwords). A client without a user, or with a wrong password, is refused at CONNECT.
+
+The subjects are the real ones of :mod:`proto.subjects` and of the services that use them:
+
+========== ============================================== ===================================================
+role       publishes                                      subscribes
+========== ============================================== ===================================================
+gateway    gen/cancel to engines, usage, quota, config,   heartbeats, auth.check, config, quota,
+           accounting requests, the identity bucket       the identity bucket
+engine     heartbeats, energy, the workers bucket,        its request and cancel subjects
+           its streamed answers (inboxes)
+telemetry  heartbeats and energy for the members it        config changes
+           scrapes, the workers bucket
+accounting auth.check requests, acks of its pulls         accounting.sql/costs/key_energy, config changes
+admin      everything (the operator's ``llmgw sql`` and   everything
+           the nats CLI)
+========== ============================================== ===================================================
+
+Every role may use the JetStream API (``$JS.API.>``: stream info, KV reads, acked publishes) and
+inboxes (``_INBOX.>``: request/reply), except that only ``gateway`` and ``admin`` may touch the
+identity bucket ``llm_identity`` (its ``$KV.`` subjects and the JetStream API calls naming its
+stream): an engine, telemetry or accounting user cannot write a user row, read one, purge or delete
+the bucket. The gateway also checks a signature on every row (``services/gateway/identity_signing.py``),
+so a row that reaches the bucket by another path is still ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from proto import subjects
+from services.common.runtime import atomic_write_text
+
+ROLES = ("gateway", "engine", "telemetry", "accounting", "admin")
+CREDENTIALS_FILE = "credentials.json"
+# bcrypt cost: the server hashes the offered password at every CONNECT (and reconnect); 10 rounds took
+# 0.18 s per hash on the shared 2-core dev machine (measured, Python bcrypt 5.0), so `llmgw up` spends
+# under a second writing the five hashes: slow for a guesser, cheap for five services that connect once.
+BCRYPT_ROUNDS = 10
+
+_P = subjects.PREFIX
+_IDENTITY_STREAM = f"KV_{subjects.KV_IDENTITY}"
+_WORKERS_KV = f"$KV.{subjects.KV_WORKERS}.>"
+# The JetStream API calls that name the identity bucket's stream: $JS.API.STREAM.INFO.KV_llm_identity,
+# $JS.API.STREAM.MSG.GET.KV_llm_identity, $JS.API.DIRECT.GET.KV_llm_identity.<subject>,
+# $JS.API.CONSUMER.CREATE.KV_llm_identity.<name>.<filter> … (the stream's name is the 5th or 6th token).
+IDENTITY_DENY = [
+    f"$KV.{subjects.KV_IDENTITY}.>",
+    f"$JS.API.*.*.{_IDENTITY_STREAM}", f"$JS.API.*.*.{_IDENTITY_STREAM}.>",
+    f"$JS.API.*.*.*.{_IDENTITY_STREAM}", f"$JS.API.*.*.*.{_IDENTITY_STREAM}.>",
+]
+_COMMON_PUB = ["$JS.API.>", "_INBOX.>"]
+_COMMON_SUB = ["_INBOX.>"]
+
+PERMISSIONS: dict[str, dict[str, Any]] = {
+    "gateway": {
+        "publish": {"allow": [f"{_P}.gen.*", f"{_P}.cancel.*", subjects.USAGE_SUBJECTS, subjects.QUOTA_ALL,
+                              subjects.CONFIG_CHANGED, f"{_P}.accounting.>", f"$KV.{subjects.KV_IDENTITY}.>",
+                              "$JS.ACK.>", "$JS.FC.>", *_COMMON_PUB]},
+        "subscribe": {"allow": [subjects.HEARTBEAT_ALL, subjects.AUTH_CHECK, subjects.CONFIG_CHANGED,
+                                subjects.QUOTA_ALL, f"$KV.{subjects.KV_IDENTITY}.>", _WORKERS_KV, *_COMMON_SUB]},
+    },
+    "engine": {
+        "publish": {"allow": [subjects.HEARTBEAT_ALL, subjects.ENERGY_SUBJECTS, _WORKERS_KV, *_COMMON_PUB],
+                    "deny": IDENTITY_DENY},
+        "subscribe": {"allow": [f"{_P}.gen.*", f"{_P}.cancel.*", *_COMMON_SUB], "deny": IDENTITY_DENY},
+    },
+    "telemetry": {
+        "publish": {"allow": [subjects.HEARTBEAT_ALL, subjects.ENERGY_SUBJECTS, _WORKERS_KV, *_COMMON_PUB],
+                    "deny": IDENTITY_DENY},
+        "subscribe": {"allow": [subjects.CONFIG_CHANGED, *_COMMON_SUB], "deny": IDENTITY_DENY},
+    },
+    "accounting": {
+        "publish": {"allow": [subjects.AUTH_CHECK, "$JS.ACK.>", *_COMMON_PUB], "deny": IDENTITY_DENY},
+        "subscribe": {"allow": [f"{_P}.accounting.>", subjects.CONFIG_CHANGED, *_COMMON_SUB],
+                      "deny": IDENTITY_DENY},
+    },
+    "admin": {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}},
+}
+
+
+def load_or_create_credentials(directory: Path) -> dict[str, str]:
+    """The role → password map in ``directory/credentials.json``, created (0600) with a random password
+    per role at the first start; a role missing from an older file gets one added."""
+    path = directory / CREDENTIALS_FILE
+    try:
+        stored = json.loads(path.read_text())
+        creds = {role: str(stored[role]) for role in ROLES if isinstance(stored.get(role), str)}
+    except (OSError, ValueError, AttributeError):
+        creds = {}
+    if set(creds) != set(ROLES):
+        creds = {role: creds.get(role) or secrets.token_urlsafe(24) for role in ROLES}
+        atomic_write_text(path, json.dumps(creds, indent=2))  # mkstemp: mode 0600
+    return creds
+
+
+def bcrypt_hash(password: str) -> str:
+    import bcrypt
+
+    # nats-server recognises a bcrypt password by its "$2a$" prefix; the Python library writes "$2b$" by default
+    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=BCRYPT_ROUNDS, prefix=b"2a")).decode()
+
+
+def authorization_conf(creds: dict[str, str]) -> str:
+    """The server config's ``authorization`` block: each role's user, bcrypt hash and permissions (JSON is a
+    subset of the NATS config syntax, so the permission maps are written with json.dumps)."""
+    users = [
+        f"    {{ user: {json.dumps(role)}, password: {json.dumps(bcrypt_hash(creds[role]))},\n"
+        f"      permissions: {json.dumps(PERMISSIONS[role])} }}"
+        for role in ROLES
+    ]
+    return "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n"
+
+
+def url_with_credentials(url: str, user: str, password: str) -> str:
+    """``nats://host:port`` (or a comma-separated list) with ``user:password@`` in each address, the form
+    nats-py reads credentials from."""
+    out = []
+    for one in (u.strip() for u in url.split(",") if u.strip()):
+        parts = urlsplit(one)
+        host = parts.netloc.rpartition("@")[2]
+        out.append(urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{host}")))
+    return ",".join(out)
+
+
+def password_variable(role: str) -> str:
+    """The environment variable a shipped NATS config reads ``role``'s password from."""
+    return f"NATS_{role.upper()}_PASSWORD"
+
+
+def permissions_conf() -> str:
+    """``deploy/nats/permissions.conf``: the same users and permissions for an operator's own nats-server,
+    each password read from :func:`password_variable` (the server refuses to start while one is unset; a
+    ``$2a$`` bcrypt hash in the variable works too)."""
+    users = [
+        f"    {{ user: {json.dumps(role)}, password: ${password_variable(role)},\n"
+        f"      permissions: {json.dumps(PERMISSIONS[role])} }}"
+        for role in ROLES
+    ]
+    return ("# Generated from services/common/nats_auth.py (PERMISSIONS): one user per llmgw role with the subjects\n"
+            "# it needs; tests/unit/test_nats_permissions.py keeps the two equal. Passwords come from the\n"
+            "# environment: " + ", ".join(password_variable(r) for r in ROLES) + ".\n"
+            "# Use it with `include permissions.conf` in place of another authorization block (docs/deploy.md).\n"
+            "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n")
