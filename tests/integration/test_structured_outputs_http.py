@@ -10,7 +10,7 @@ import asyncio
 import json
 import random
 import re
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from tests.integration.test_ninfer_serve import client, serve
 MESSAGES: Any = [{"role": "user", "content": "answer in JSON"}]
 
 
-class Colour(str, Enum):
+class Colour(StrEnum):
     red = "red"
     green = "green"
 
