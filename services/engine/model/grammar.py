@@ -17,6 +17,7 @@ when the request resumes; nothing is rolled back). Constrained requests do not s
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from services.engine.errors import InvalidParameterError
 from services.engine.model.tokenizer import Tokenizer
 
 DEFAULT_MAX_GRAMMARS = 256  # compiled grammars kept (LRU); a JSON schema's grammar is tens of KiB
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
 # One JSON string character: anything but a quote, a backslash or a control character, or an escape.
@@ -96,6 +98,7 @@ class GrammarCache:
             compiled = self._compile(constraint)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports bad input as these
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first_line = _XGRAMMAR_LOG_PREFIX.sub("", first_line)  # "[14:06:34] /project/cpp/x.cc:12: "
             raise InvalidParameterError("response_format", constraint.kind,
                                         f"cannot be compiled into a grammar: {first_line[:300]}") from None
         self.compile_s_total += time.perf_counter() - start

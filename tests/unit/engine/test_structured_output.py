@@ -140,3 +140,25 @@ def test_logit_bias_forces_and_bans_tokens_and_min_p_keeps_only_likely_tokens(ti
     # min_p = 1: only the most likely token survives, so temperature-1 sampling is the greedy output
     strict = llm.generate(["a b"], SamplingParams(temperature=1.0, min_p=1.0, max_tokens=8, ignore_eos=True))
     assert strict[0].token_ids == free[0].token_ids
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutput(kind="json_schema", spec='{"type": 5}'),
+    StructuredOutput(kind="json_schema", spec='{"$ref": "#/nope"}'),
+    StructuredOutput(kind="json_schema", spec='{"type": "integer", "minimum": 10, "maximum": 1}'),
+    StructuredOutput(kind="regex", spec="a**"),
+    StructuredOutput(kind="grammar", spec="root ::= undefined_rule"),
+    StructuredOutput(kind="choice", choices=()),
+])
+def test_hostile_constraints_are_invalid_parameters_with_xgrammars_reason(tiny_model: Path,
+                                                                        constraint: StructuredOutput) -> None:
+    from services.engine.model.grammar import GrammarCache
+    from services.engine.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_model)
+    cache = GrammarCache(tokenizer, tokenizer.vocab_size, tokenizer.stop_token_ids)
+    with pytest.raises(InvalidParameterError) as info:
+        cache.compile(constraint)
+    assert info.value.field == "response_format"
+    assert "cannot be compiled" in info.value.message and "/project/cpp" not in info.value.message
+    assert cache.num_misses == 0
