@@ -26,6 +26,23 @@ class ChatMessage(Message, frozen=True):
     name: str | None = None
 
 
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+class Constraint(Message, frozen=True):
+    """Structured output (constrained decoding): what the reply's text must match.
+
+    ``json_schema``: ``spec`` is the schema as JSON text, ``strict`` OpenAI's flag (no properties beyond
+    the schema's); ``json_object``: any JSON object (``spec`` empty); ``regex``: ``spec`` is the pattern;
+    ``choice``: ``choices`` lists the allowed replies; ``grammar``: ``spec`` is an EBNF (GBNF) grammar.
+    """
+
+    kind: ConstraintKind
+    spec: str = ""
+    strict: bool = False
+    choices: list[str] = []
+
+
 class GenerateRequest(Message, frozen=True):
     """gateway → engine on ``llm.v1.gen.<worker_id>``; replies stream to the message's reply inbox.
 
@@ -55,6 +72,10 @@ class GenerateRequest(Message, frozen=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    # appended for issue #26 (optional: an older gateway or engine neither sends nor reads them)
+    constraint: Constraint | None = None
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = {}
 
 
 class Usage(Message, frozen=True):

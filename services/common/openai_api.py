@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from proto import ChatMessage, GenerateRequest, Timings, TokenChunk, TokenLogprob, Usage
+from proto import ChatMessage, Constraint, GenerateRequest, Timings, TokenChunk, TokenLogprob, Usage
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES = 4
@@ -131,6 +132,109 @@ def _stop_token_ids(body: dict[str, Any]) -> list[int]:
     return ids
 
 
+MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex or grammar's text: bounds the engine's compile work
+MAX_CHOICES = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+
+
+def _spec_text(value: Any, param: str, *, json_allowed: bool) -> str:
+    if json_allowed and isinstance(value, dict):
+        value = json.dumps(value)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"'{param}' must be a non-empty {'object or ' if json_allowed else ''}string", param)
+    if len(value) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(f"'{param}' is longer than {MAX_CONSTRAINT_CHARS} characters", param)
+    if json_allowed:
+        try:
+            schema = json.loads(value)
+        except ValueError:
+            raise InvalidRequest(f"'{param}' is not valid JSON", param) from None
+        if not isinstance(schema, dict):
+            raise InvalidRequest(f"'{param}' must be a JSON schema object", param)
+    return value
+
+
+def _choices(value: Any, param: str) -> list[str]:
+    if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
+            or not all(isinstance(c, str) and c for c in value)):
+        raise InvalidRequest(f"'{param}' must be an array of 1..{MAX_CHOICES} non-empty strings", param)
+    return value
+
+
+def _response_format(value: Any) -> Constraint | None:
+    if not isinstance(value, dict):
+        raise InvalidRequest("'response_format' must be an object", "response_format")
+    kind = value.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Constraint(kind="json_object")
+    if kind == "json_schema":
+        inner = value.get("json_schema")
+        if not isinstance(inner, dict):
+            raise InvalidRequest("'response_format.json_schema' must be an object", "response_format.json_schema")
+        schema = inner.get("schema", {"type": "object"})
+        strict = inner.get("strict", False)
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidRequest("'response_format.json_schema.strict' must be a boolean",
+                                 "response_format.json_schema.strict")
+        return Constraint(kind="json_schema", spec=_spec_text(schema, "response_format.json_schema.schema",
+                                                              json_allowed=True), strict=bool(strict))
+    raise InvalidRequest("'response_format.type' must be one of text, json_object, json_schema",
+                         "response_format.type")
+
+
+def _constraint(body: dict[str, Any]) -> Constraint | None:
+    """Structured output from OpenAI's ``response_format`` or vLLM's ``guided_*`` / ``structured_outputs``
+    (at most one of them may ask for a constraint)."""
+    found: list[tuple[str, Constraint]] = []
+    if body.get("response_format") is not None and (c := _response_format(body["response_format"])) is not None:
+        found.append(("response_format", c))
+    forms: list[tuple[str, str, Any]] = [(f"guided_{k}", k, body.get(f"guided_{k}"))
+                                         for k in ("json", "regex", "choice", "grammar")]
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise InvalidRequest("'structured_outputs' must be an object", "structured_outputs")
+        forms += [(f"structured_outputs.{k}", k, so.get(k)) for k in ("json", "regex", "choice", "grammar")]
+        if so.get("json_object"):
+            found.append(("structured_outputs.json_object", Constraint(kind="json_object")))
+    for param, key, value in forms:
+        if value is None:
+            continue
+        if key == "json":
+            found.append((param, Constraint(kind="json_schema", spec=_spec_text(value, param, json_allowed=True))))
+        elif key == "choice":
+            found.append((param, Constraint(kind="choice", choices=_choices(value, param))))
+        else:
+            found.append((param, Constraint(kind="regex" if key == "regex" else "grammar",
+                                            spec=_spec_text(value, param, json_allowed=False))))
+    if len(found) > 1:
+        names = ", ".join(p for p, _ in found)
+        raise InvalidRequest(f"only one structured-output constraint may be given, got {names}", found[1][0])
+    return found[0][1] if found else None
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    raw = body.get("logit_bias")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in raw.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token_id <= MAX_INT:
+            raise InvalidRequest(f"'logit_bias' keys must be token ids >= 0, got {key!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise InvalidRequest(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r}", "logit_bias")
+        out[token_id] = float(bias)
+    return out
+
+
 def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -192,6 +296,9 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
         min_tokens=_int(body, "min_tokens", 0) or 0,
+        constraint=_constraint(body),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        logit_bias=_logit_bias(body),
     )
     return ParsedRequest(endpoint, model, stream, include_usage, generate, _unsupported(body, endpoint),
                          continuous_usage)
@@ -199,16 +306,13 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
 
 # Parameters that change what a reply must be, each with the test for a value that asks for something:
 # accepting such a request and ignoring the parameter would hand the client a silently wrong answer.
-_BOTH: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": bool,
-    "min_p": lambda v: v not in (None, 0),
-}
+# (response_format, the guided_* forms, logit_bias and min_p are implemented: issue #26.)
+_BOTH: dict[str, Callable[[Any], bool]] = {}
 _CHAT_CHECKS: dict[str, Callable[[Any], bool]] = {
     **_BOTH,
     "tools": bool, "functions": bool,
     "tool_choice": lambda v: v not in (None, "none"),
     "function_call": lambda v: v not in (None, "none"),
-    "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type") in (None, "text")),
     "modalities": lambda v: v is not None and v != ["text"],
     "audio": lambda v: v is not None,
     "prediction": lambda v: v is not None,

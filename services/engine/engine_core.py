@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import xgrammar as xgr
 
 from services.common.prom import INTER_TOKEN_BUCKETS_S, ITERATION_TOKENS_BUCKETS, Histogram
 from services.engine.config import EngineConfig
@@ -33,6 +34,7 @@ from services.engine.core.scheduler import Scheduler, SchedulerConfig, Scheduler
 from services.engine.core.stop_checker import StopChecker
 from services.engine.errors import ContextLengthExceededError, InvalidParameterError, QueueFullError
 from services.engine.kernels.backend import select_backend
+from services.engine.model.grammar import GrammarCache, apply_grammar_masks
 from services.engine.model.kv_cache import KVCacheSpec, allocate_kv_cache, free_memory_bytes
 from services.engine.model.loader import load_model
 from services.engine.model.model_runner import ModelRunner, RunnerSeq, capture_decode_graphs
@@ -59,6 +61,8 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     stop_checker: StopChecker
     generator: torch.Generator | None
+    # structured output: the request's grammar position (it has accepted every token emitted so far)
+    matcher: xgr.GrammarMatcher | None = None
 
 
 @dataclass
@@ -129,6 +133,7 @@ class EngineCore:
         )
         self.sampler = Sampler()
         self.eos_token_ids = self.tokenizer.stop_token_ids
+        self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._states: dict[str, _RequestState] = {}
         self._throughput = ThroughputWindow()
         # vLLM's per-iteration histograms (vllm/v1/metrics/loggers.py): tokens per step, and per request the
@@ -173,13 +178,18 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_token_ids):
             raise InvalidParameterError("prompt", "token ids", f"token ids must be in [0, {vocab})")
+        # compiled (or found in the cache) before the request is queued: a bad schema is a 400, not a failed step
+        matcher = None if params.structured is None else self.grammars.matcher(params.structured)
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidParameterError("logit_bias", "token ids", f"token ids must be in [0, {vocab})")
         request = Request(request_id, prompt_token_ids, params, arrival_s=now, eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(request)
         generator = None
         if params.seed is not None and not params.is_greedy:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self._states[request_id] = _RequestState(
-            IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_token_ids), StopChecker(params.stop), generator
+            IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_token_ids), StopChecker(params.stop), generator,
+            matcher,
         )
         self.admitted_total += 1
         # Admitted only: a refusal (bad parameters, context, 429 queue full) is never counted, as the gateway
@@ -277,8 +287,16 @@ class EngineCore:
         """One token per row of ``logits`` (one row per request id): the tokens and the rows' logprobs."""
         requests = [self.scheduler.get_request(rid) for rid in request_ids]
         params = [r.sampling_params for r in requests if r is not None]
-        generators = [self._states[r.request_id].generator for r in requests if r is not None]
+        states = [self._states[r.request_id] for r in requests if r is not None]
+        generators = [s.generator for s in states]
+        matchers = [s.matcher for s in states]
+        if any(m is not None for m in matchers):
+            # float32 first (the sampler's dtype; a copy when the runner's logits are half precision)
+            logits = apply_grammar_masks(logits.float(), matchers)
         token_ids, logprobs = self.sampler.sample(logits, params, generators, histories(requests))
+        for matcher, token_id in zip(matchers, token_ids, strict=True):
+            if matcher is not None and not matcher.is_terminated():
+                matcher.accept_token(token_id)
         return dict(zip(request_ids, token_ids, strict=True)), logprobs_by_request(request_ids, logprobs)
 
     def _plain_step(self, plan: SchedulerOutput, logits: torch.Tensor,
@@ -393,6 +411,10 @@ class EngineCore:
             if request.last_token_s is not None:
                 self.inter_token_latency.observe(now - request.last_token_s)
             request.last_token_s = now
+        if state.matcher is not None and state.matcher.is_terminated() and not request.is_finished:
+            # the grammar is complete (it accepted a stop id, or nothing may follow): the reply ends here,
+            # also with ignore_eos, since no further token would be valid
+            self.scheduler.finish_request(request.request_id, "stop", now)
         if is_stopped and not request.is_finished:
             self.scheduler.finish_request(request.request_id, "stop", now)
         if request.is_finished:

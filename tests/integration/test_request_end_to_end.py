@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import aiohttp
 import openai
@@ -76,10 +78,28 @@ async def test_logprobs_cross_the_bus(stack: Stack) -> None:
 async def test_a_parameter_our_engines_lack_is_a_400_naming_it(stack: Stack) -> None:
     client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0)
     with pytest.raises(openai.BadRequestError) as err:
-        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                             response_format={"type": "json_object"})
-    assert err.value.body["param"] == "response_format"  # type: ignore[index]
+        await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    assert err.value.body["param"] == "tools"  # type: ignore[index]
     assert err.value.body["code"] == "unsupported_parameter"  # type: ignore[index]
+
+
+async def test_a_constrained_request_crosses_the_bus_and_its_reply_matches(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0)
+    resp = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=200, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "strict": True, "schema": {
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["n"], "additionalProperties": False}}})
+    assert resp.choices[0].finish_reason == "stop"
+    assert 0 <= json.loads(resp.choices[0].message.content or "")["n"] <= 9
+    regex = await client.completions.create(model="tiny", prompt="x", max_tokens=20, extra_body={
+        "structured_outputs": {"regex": "[ab]{3}"}})
+    assert re.fullmatch("[ab]{3}", regex.choices[0].text)
+    with pytest.raises(openai.BadRequestError) as err:  # the engine's compile error comes back over the bus
+        await client.completions.create(model="tiny", prompt="x", extra_body={"guided_regex": "(open"})
+    assert err.value.body["param"] == "response_format"  # type: ignore[index]
 
 
 async def test_completions_endpoint_and_models_listing(stack: Stack) -> None:

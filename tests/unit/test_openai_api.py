@@ -21,9 +21,10 @@ COMPLETION = {"model": "m", "prompt": "hi"}
     ({"tool_choice": "none"}, ()),
     ({"tool_choice": "auto"}, ("tool_choice",)),
     ({"response_format": {"type": "text"}}, ()),
-    ({"response_format": {"type": "json_object"}}, ("response_format",)),
+    ({"response_format": {"type": "json_object"}}, ()),  # implemented (issue #26): constrained decoding
     ({"logit_bias": {}}, ()),
-    ({"logit_bias": {"42": 5}}, ("logit_bias",)),
+    ({"logit_bias": {"42": 5}}, ()),
+    ({"min_p": 0.1}, ()),
     ({"modalities": ["text"]}, ()),
     ({"modalities": ["text", "audio"], "audio": {"voice": "x"}}, ("modalities", "audio")),
     ({"user": "u1", "metadata": {"a": "b"}, "store": False}, ()),  # informational: nothing to honour
@@ -72,3 +73,50 @@ def test_stop_token_ids_are_carried_and_checked() -> None:
         with pytest.raises(InvalidRequest) as err:
             parse_request({**COMPLETION, "stop_token_ids": bad}, "completions")
         assert err.value.param == "stop_token_ids"
+
+
+@pytest.mark.parametrize(("extra", "kind", "spec", "choices", "strict"), [
+    ({"response_format": {"type": "json_object"}}, "json_object", "", [], False),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                 "schema": {"type": "integer"}}}},
+     "json_schema", '{"type": "integer"}', [], True),
+    ({"guided_json": {"type": "integer"}}, "json_schema", '{"type": "integer"}', [], False),
+    ({"guided_json": '{"type": "integer"}'}, "json_schema", '{"type": "integer"}', [], False),
+    ({"guided_regex": "[a-z]+"}, "regex", "[a-z]+", [], False),
+    ({"guided_choice": ["a", "b"]}, "choice", "", ["a", "b"], False),
+    ({"guided_grammar": 'root ::= "x"'}, "grammar", 'root ::= "x"', [], False),
+    ({"structured_outputs": {"regex": "[0-9]"}}, "regex", "[0-9]", [], False),
+    ({"structured_outputs": {"choice": ["y"]}}, "choice", "", ["y"], False),
+    ({"structured_outputs": {"json_object": True}}, "json_object", "", [], False),
+])
+def test_every_structured_output_spelling_becomes_one_constraint(extra: dict[str, Any], kind: str, spec: str,
+                                                                choices: list[str], strict: bool) -> None:
+    for body, endpoint in ((CHAT, "chat.completions"), (COMPLETION, "completions")):
+        c = parse_request({**body, **extra}, endpoint).generate.constraint
+        assert c is not None and (c.kind, c.spec, c.choices, c.strict) == (kind, spec, choices, strict)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": "{not json"}}},
+     "response_format.json_schema.schema"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"min_p": 1.5}, "min_p"),
+])
+def test_bad_structured_output_logit_bias_and_min_p_are_400s_naming_the_field(extra: dict[str, Any],
+                                                                              param: str) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        parse_request({**CHAT, **extra}, "chat.completions")
+    assert err.value.param == param
+
+
+def test_logit_bias_and_min_p_are_carried() -> None:
+    g = parse_request({**CHAT, "logit_bias": {"42": 5, "7": -100}, "min_p": 0.25}, "chat.completions").generate
+    assert (g.logit_bias, g.min_p) == ({42: 5.0, 7: -100.0}, 0.25)

@@ -20,6 +20,19 @@ MAX_LOGPROBS = 20
 # torch.Generator.manual_seed accepts the unsigned 64-bit range.
 _MAX_SEED = 2**64 - 1
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StructuredOutput:
+    """What a constrained request's text must match (see ``proto.Constraint``; ``model/grammar.py`` compiles
+    it). Hashable: it is the grammar cache's key, with the tokenizer the cache belongs to."""
+
+    kind: str
+    spec: str = ""
+    strict: bool = False
+    choices: tuple[str, ...] = ()
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
@@ -44,6 +57,11 @@ class SamplingParams:
       (as vLLM does); logprobs stay the model's own distribution.
     - ``min_tokens`` (vLLM's): until this many tokens are out, the stop token ids and the model's EOS
       cannot be sampled and stop strings do not end the reply (0: off; at most ``max_tokens``).
+    - ``structured``: constrained decoding (a grammar masks the logits each step), or None.
+    - ``min_p`` (vLLM's, [0, 1]): tokens whose probability is below ``min_p`` times the top token's are
+      dropped (after temperature, with top-k/top-p). 0 is off.
+    - ``logit_bias`` (OpenAI's): ``(token_id, bias)`` pairs added to the logits (-100..100) before anything
+      else; -100 bans a token in practice, +100 makes it all but certain.
 
     Sequences given for ``stop``/``stop_token_ids`` are stored as tuples so the value stays hashable.
     """
@@ -61,6 +79,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    structured: StructuredOutput | None = None
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Callers naturally pass lists (JSON arrays); freeze them so the dataclass stays immutable.
@@ -83,6 +104,12 @@ class SamplingParams:
         """Its logits depend on its own history (penalties, min_tokens): sampled with that history, and
         not speculated (verification compares drafts against the plain target rows)."""
         return self.has_penalties or self.min_tokens > 0
+
+    @property
+    def can_speculate(self) -> bool:
+        """Drafts are verified against plain target rows; rows whose logits are reshaped per request
+        (penalties, min_tokens, logit_bias, a grammar's mask) are decoded one token a step instead."""
+        return not self.shapes_logits and self.structured is None and not self.logit_bias
 
     @property
     def effective_top_k(self) -> int:
@@ -118,6 +145,16 @@ class SamplingParams:
             raise InvalidParameterError("repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidParameterError("min_tokens", self.min_tokens, "must be an integer in [0, max_tokens]")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidParameterError("min_p", self.min_p, "must be a number in [0, 1]")
+        for token_id, bias in self.logit_bias:
+            if not _is_int(token_id) or token_id < 0:
+                raise InvalidParameterError("logit_bias", token_id, "keys must be token ids (integers >= 0)")
+            if not _is_real(bias) or not -100.0 <= bias <= 100.0:
+                raise InvalidParameterError("logit_bias", bias, "biases must be numbers in [-100, 100]")
+        if self.structured is not None and self.structured.kind not in CONSTRAINT_KINDS:
+            raise InvalidParameterError("response_format", self.structured.kind,
+                                        f"must be one of {', '.join(CONSTRAINT_KINDS)}")
         return self
 
 

@@ -66,8 +66,10 @@ class Sampler:
                 f"({len(params)}, {len(generators)})"
             )
         raw = logits = logits.float()
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(raw.clone(), params)
         if any(p.shapes_logits for p in params):
-            logits = apply_penalties(raw.clone(), params, histories)
+            logits = apply_penalties(logits.clone() if logits is raw else logits, params, histories)
         greedy = [p.is_greedy for p in params]
         sampled = argmax(logits)
         if not all(greedy):
@@ -96,6 +98,9 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = torch.softmax(scaled, dim=-1)
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
+        if any(m > 0.0 for m in min_p):
+            probs = apply_min_p(probs, min_p)
         race = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None and not greedy[i]]
         if unseeded:
@@ -179,6 +184,24 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                                        return_counts=True)
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """OpenAI's ``logit_bias``: each row's ``(token_id, bias)`` pairs added to its logits, in place."""
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=logits.device)
+            bias = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, bias)
+    return logits
+
+
+def apply_min_p(probs: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+    """vLLM's min-p: in row ``i``, probabilities below ``min_p[i]`` times the row's largest are set to 0
+    (the race in :meth:`Sampler._sample_random` needs no renormalisation). 0 is off; the top token stays."""
+    threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=probs.dtype,
+                                                                      device=probs.device).unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from proto import ErrorInfo, GenerateRequest, Timings, TokenChunk, TokenLogprob, TopLogprob, Usage
-from services.engine.core.sampling_params import SamplingParams
+from services.engine.core.sampling_params import SamplingParams, StructuredOutput
 from services.engine.errors import (
     ContextLengthExceededError,
     DeadlineExceededError,
@@ -78,6 +78,9 @@ def sampling_params(req: GenerateRequest, max_context: int, num_prompt_tokens: i
         stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
         logprobs=req.logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+        structured=None if (c := req.constraint) is None else StructuredOutput(
+            kind=c.kind, spec=c.spec, strict=c.strict, choices=tuple(c.choices)),
+        min_p=req.min_p, logit_bias=tuple(sorted(req.logit_bias.items())),
     )
 
 

@@ -235,8 +235,10 @@ class Speculator:
                 continue  # drafts still pending (not scheduled last step), or still prefilling
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue
-            if request.sampling_params.shapes_logits:
-                continue  # verification compares against the plain target rows: such requests do not speculate
+            if not request.sampling_params.can_speculate:
+                # verification compares against the plain target rows: requests with penalties, a logit
+                # bias or a grammar (structured output) do not speculate
+                continue
             # The step verifying k drafts may append k + 1 tokens: never plan past max_tokens.
             k = min(spec.num_draft_tokens, request.sampling_params.max_tokens - request.num_output_tokens - 1)
             if k > 0:
