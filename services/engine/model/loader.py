@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import cast
+from typing import Literal, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -28,6 +28,15 @@ from services.engine.kernels.backend import Backend
 from services.engine.model.model import CausalLM, DecoderLayer, prepack_linear_weights
 from services.engine.model.model_config import DTYPES, ModelConfig
 from services.engine.model.mtp_head import MTP_PREFIX, MTPHead
+from services.engine.model.quant.formats import dequantize, stored_tensors
+from services.engine.model.quant.linear import PackedPart, QuantizedLinear
+from services.engine.model.quant.scheme import QuantConfig, WeightScheme
+
+QuantDequant = Literal["load", "per-product"]
+QUANT_DEQUANT_MODES: tuple[QuantDequant, ...] = ("load", "per-product")
+# Linear layers a quantization_config can cover (checkpoint leaf names); fused in the model as noted.
+_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
+          "up_proj": "gate_up", "down_proj": "down"}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,24 +44,131 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def load_model(
     path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
-    backend: Backend = "torch",
+    backend: Backend = "torch", quant_dequant: QuantDequant = "load",
 ) -> tuple[CausalLM, ModelConfig]:
     """Read the checkpoint at ``path`` and return the model (in eval mode) and its config.
 
     ``dtype``: the weights' dtype; ``None`` takes config.json's ``torch_dtype`` (float32 when absent).
     bfloat16 and float16 work on CPU too, just slower.
+    ``quant_dequant``: for a quantized checkpoint, dequantise every layer once here (``load``), or keep the
+    stored tensors and dequantise inside each product (``per-product``: less memory, slower).
     """
     root = Path(path)
     if not root.is_dir():
         raise ModelLoadError(str(root), "directory does not exist")
+    if quant_dequant not in QUANT_DEQUANT_MODES:
+        raise ModelLoadError(str(root), f"unsupported quant_dequant {quant_dequant!r} "
+                                        f"(supported: {', '.join(QUANT_DEQUANT_MODES)})")
     config = ModelConfig.from_dir(root)
     target_dtype = _resolve_dtype(dtype, config, root)
     files = _tensor_files(root)
 
     model = CausalLM(config, dtype=target_dtype, device=device, backend=backend)
-    _copy_tensors(root, files, _expected_shapes(config), lambda name: _destination(model, config, name), target_dtype)
+    expected = _expected_shapes(config)
+    if config.quant is not None:
+        _load_quantized(root, files, config, config.quant, model, expected, target_dtype, quant_dequant)
+    _copy_tensors(root, files, expected, lambda name: _destination(model, config, name), target_dtype)
     prepack_linear_weights(model.linear_weights())
     return model.eval(), config
+
+
+def quantized_layers(config: ModelConfig) -> dict[str, WeightScheme]:
+    """Checkpoint module name (``model.layers.0.self_attn.q_proj``) → its scheme, for every quantized linear
+    layer of ``config``'s model (empty for a dense checkpoint)."""
+    if config.quant is None:
+        return {}
+    out: dict[str, WeightScheme] = {}
+    for name in _expected_shapes(config):
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and (module == "lm_head" or module.rpartition(".")[2] in _FUSED):
+            scheme = config.quant.scheme_for(module)
+            if scheme is not None:
+                out[module] = scheme
+    return out
+
+
+def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quant: QuantConfig, model: CausalLM,
+                    expected: dict[str, tuple[int, ...]], dtype: torch.dtype, mode: QuantDequant) -> None:
+    """Read every quantized layer's stored tensors; remove its ``.weight`` from ``expected`` (a dense read).
+
+    ``load``: dequantise into the model's dense weight (one layer at a time: no second full copy).
+    ``per-product``: keep the stored tensors on the layer (fused parts together) and free the dense weight.
+    The lm_head, where a checkpoint quantizes it, is always dequantised here (it multiplies once per step).
+    """
+    layers = quantized_layers(config)
+    if not layers:
+        return
+    act_groups: dict[tuple[int, str], set[int | None]] = {}
+    parts: dict[tuple[int, str], list[PackedPart]] = {}
+    with ExitStack() as stack:
+        handles: dict[str, object] = {}
+
+        def get(name: str) -> torch.Tensor:
+            file = files.get(name)
+            if file is None:
+                raise ModelLoadError(str(root), f"missing tensor {name!r} (the quantization_config asks for it)")
+            if file not in handles:
+                try:
+                    handles[file] = stack.enter_context(safe_open(str(root / file), framework="pt"))
+                except (OSError, SafetensorError) as exc:
+                    raise ModelLoadError(str(root / file), f"cannot read safetensors file: {exc}") from exc
+            return cast(torch.Tensor, handles[file].get_tensor(name))  # type: ignore[attr-defined]
+
+        for module, scheme in layers.items():
+            name = f"{module}.weight"
+            shape = cast(tuple[int, int], expected.pop(name))
+            if module == "lm_head" or mode == "load":
+                try:
+                    weight = dequantize(scheme, get, module, shape)
+                except ValueError as exc:
+                    raise ModelLoadError(str(root), str(exc)) from exc
+                _destination(model, config, name).copy_(weight.to(dtype))
+                del weight
+                if module == "lm_head":
+                    continue
+            else:
+                part = PackedPart(scheme=scheme, prefix=module, shape=shape,
+                                  tensors={n.rsplit(".", 1)[1]: get(n) for n in stored_tensors(scheme, module)})
+                try:
+                    part.dequantize()  # validates shapes and dtypes now, not at the first request
+                except ValueError as exc:
+                    raise ModelLoadError(str(root), str(exc)) from exc
+                parts.setdefault(_fused_key(module), []).append(part)
+            act_groups.setdefault(_fused_key(module), set()).add(scheme.act_dynamic_fp8)
+    for (index, fused), groups in act_groups.items():
+        if len(groups) != 1:
+            raise ModelLoadError(str(root), f"layer {index}'s {fused} projections quantize their input differently "
+                                            "(a fused product needs one scheme)")
+        group = next(iter(groups))
+        packed = parts.get((index, fused))
+        if mode == "per-product" and packed is not None and len(packed) != _num_parts(fused):
+            raise ModelLoadError(str(root), f"layer {index}'s {fused} projections are partly quantized "
+                                            "(per-product dequantisation needs all or none)")
+        state = QuantizedLinear(act_group=group, parts=tuple(packed) if packed else None)
+        _attach(model, index, fused, state)
+        model.has_quantized_forward |= state.act_group is not None or state.parts is not None
+
+
+def _fused_key(module: str) -> tuple[int, str]:
+    parts = module.split(".")  # model.layers.<i>.<self_attn|mlp>.<proj>
+    return int(parts[2]), _FUSED[parts[4]]
+
+
+def _num_parts(fused: str) -> int:
+    return {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}[fused]
+
+
+def _attach(model: CausalLM, index: int, fused: str, state: QuantizedLinear) -> None:
+    """Set the layer's QuantizedLinear; with packed parts, the dense weight it replaces is freed."""
+    layer = cast(DecoderLayer, model.layers[index])
+    attn, mlp = layer.self_attn, layer.mlp
+    owner: torch.nn.Module = attn if fused in ("qkv", "o") else mlp
+    weight_attr = f"{fused}_weight"
+    setattr(owner, f"{fused}_quant", state)
+    if state.parts is not None:
+        dense = getattr(owner, weight_attr)
+        # an empty tensor of the same dtype and device: QuantizedLinear.weight() takes its dtype from it
+        setattr(owner, weight_attr, torch.nn.Parameter(dense.new_empty((0, 0)), requires_grad=False))
 
 
 def load_mtp_head(path: str | Path, model: CausalLM, config: ModelConfig) -> MTPHead:

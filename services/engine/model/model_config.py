@@ -9,6 +9,7 @@ rather than silently computing something different from the reference model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from services.engine.errors import ModelLoadError, UnsupportedArchitectureError
+from services.engine.model.quant.scheme import QuantConfig, read_quant_config
 
 # architectures[0] -> family name used throughout the engine.
 ARCHITECTURE_FAMILIES: dict[str, str] = {
@@ -88,6 +90,8 @@ class ModelConfig:
     # Multi-token-prediction modules stored as ``mtp.*`` tensors (DeepSeek-V3 ``num_nextn_predict_layers``,
     # Qwen3-Next ``mtp_num_hidden_layers``); 0 when the config names none. Only ``--spec mtp`` loads them.
     num_mtp_layers: int = 0
+    # The checkpoint's quantization_config (or ModelOpt hf_quant_config.json); None for dense weights.
+    quant: QuantConfig | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -109,7 +113,10 @@ class ModelConfig:
             raise ModelLoadError(str(config_path), f"config.json is not valid JSON: {exc}") from exc
         if not isinstance(raw, dict):
             raise ModelLoadError(str(config_path), "config.json is not a JSON object")
-        return cls.from_dict(raw, source=str(config_path))
+        config = cls.from_dict(raw, source=str(config_path))
+        if config.quant is None and (quant := read_quant_config(Path(path), raw, str(config_path))) is not None:
+            config = dataclasses.replace(config, quant=quant)  # hf_quant_config.json beside a plain config.json
+        return config
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
@@ -189,6 +196,7 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             num_mtp_layers=int(d.get("num_nextn_predict_layers") or d.get("mtp_num_hidden_layers") or 0),
+            quant=read_quant_config(Path(), d, source) if d.get("quantization_config") is not None else None,
         )
 
 
