@@ -496,6 +496,17 @@ class CausalLM(nn.Module):
             out += cast(DecoderLayer, layer).linear_weights()
         return out
 
+    def weight_bytes(self) -> int:
+        """Bytes of every weight this model holds: its parameters (a tied LM head once) and the stored tensors
+        of layers kept packed (``--quant-dequant per-product``)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for layer in cast("Iterable[DecoderLayer]", self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for quant in (attn.qkv_quant, attn.o_quant, mlp.gate_up_quant, mlp.down_quant):
+                if quant is not None and quant.parts is not None:
+                    total += sum(part.num_bytes for part in quant.parts)
+        return total
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` → logits ``[N, vocab_size]`` in float32."""
         return linear(hidden, self.lm_head).float()
