@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from services.engine.errors import ModelLoadError
 from services.engine.kernels.backend import Backend
-from services.engine.model.model import CausalLM, DecoderLayer, prepack_linear_weights
+from services.engine.model.model import MLP, CausalLM, DecoderLayer, MoE, prepack_linear_weights
 from services.engine.model.model_config import DTYPES, ModelConfig
 from services.engine.model.mtp_head import MTP_PREFIX, MTPHead
 from services.engine.model.quant.formats import dequantize, stored_tensors
@@ -60,6 +60,9 @@ def load_model(
         raise ModelLoadError(str(root), f"unsupported quant_dequant {quant_dequant!r} "
                                         f"(supported: {', '.join(QUANT_DEQUANT_MODES)})")
     config = ModelConfig.from_dir(root)
+    if config.moe is not None and config.quant is not None:
+        raise ModelLoadError(str(root), f"a {config.quant.method} quantized mixture-of-experts checkpoint is not "
+                                        "supported yet (dense MoE and quantized dense models are)")
     target_dtype = _resolve_dtype(dtype, config, root)
     files = _tensor_files(root)
 
@@ -161,8 +164,7 @@ def _num_parts(fused: str) -> int:
 def _attach(model: CausalLM, index: int, fused: str, state: QuantizedLinear) -> None:
     """Set the layer's QuantizedLinear; with packed parts, the dense weight it replaces is freed."""
     layer = cast(DecoderLayer, model.layers[index])
-    attn, mlp = layer.self_attn, layer.mlp
-    owner: torch.nn.Module = attn if fused in ("qkv", "o") else mlp
+    owner: torch.nn.Module = layer.self_attn if fused in ("qkv", "o") else layer.mlp
     weight_attr = f"{fused}_weight"
     setattr(owner, f"{fused}_quant", state)
     if state.parts is not None:
@@ -291,7 +293,8 @@ def _tensor_files(root: Path) -> dict[str, str]:
         raise ModelLoadError(str(single), f"cannot read safetensors file: {exc}") from exc
 
 
-def _layer_tensors(config: ModelConfig, prefix: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _layer_tensors(config: ModelConfig, prefix: str, layer_idx: int | None = None
+                   ) -> Iterator[tuple[str, tuple[int, ...]]]:
     h, d = config.hidden_size, config.head_dim
     q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
     yield f"{prefix}.input_layernorm.weight", (h,)
@@ -306,6 +309,27 @@ def _layer_tensors(config: ModelConfig, prefix: str) -> Iterator[tuple[str, tupl
     if config.qk_norm:
         yield f"{prefix}.self_attn.q_norm.weight", (d,)
         yield f"{prefix}.self_attn.k_norm.weight", (d,)
+    moe = config.moe
+    if moe is not None and layer_idx is not None and moe.sparse_layers[layer_idx]:
+        i = moe.intermediate_size
+        if moe.naming == "mixtral":
+            yield f"{prefix}.block_sparse_moe.gate.weight", (moe.num_experts, h)
+            for e in range(moe.num_experts):
+                yield f"{prefix}.block_sparse_moe.experts.{e}.w1.weight", (i, h)
+                yield f"{prefix}.block_sparse_moe.experts.{e}.w3.weight", (i, h)
+                yield f"{prefix}.block_sparse_moe.experts.{e}.w2.weight", (h, i)
+            return
+        yield f"{prefix}.mlp.gate.weight", (moe.num_experts, h)
+        for e in range(moe.num_experts):
+            yield f"{prefix}.mlp.experts.{e}.gate_proj.weight", (i, h)
+            yield f"{prefix}.mlp.experts.{e}.up_proj.weight", (i, h)
+            yield f"{prefix}.mlp.experts.{e}.down_proj.weight", (h, i)
+        if s := moe.shared_intermediate_size:
+            yield f"{prefix}.mlp.shared_expert.gate_proj.weight", (s, h)
+            yield f"{prefix}.mlp.shared_expert.up_proj.weight", (s, h)
+            yield f"{prefix}.mlp.shared_expert.down_proj.weight", (h, s)
+            yield f"{prefix}.mlp.shared_expert_gate.weight", (1, h)
+        return
     yield f"{prefix}.mlp.gate_proj.weight", (config.intermediate_size, h)
     yield f"{prefix}.mlp.up_proj.weight", (config.intermediate_size, h)
     yield f"{prefix}.mlp.down_proj.weight", (h, config.intermediate_size)
@@ -317,7 +341,7 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "model.embed_tokens.weight": (config.vocab_size, config.hidden_size)
     }
     for i in range(config.num_hidden_layers):
-        shapes.update(_layer_tensors(config, f"model.layers.{i}"))
+        shapes.update(_layer_tensors(config, f"model.layers.{i}", i))
     shapes["model.norm.weight"] = (config.hidden_size,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
@@ -374,6 +398,8 @@ def _layer_destination(layer: DecoderLayer, config: ModelConfig, leaf: str) -> t
         "v_proj": (q_size + kv_size, q_size + 2 * kv_size),
     }
     attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(mlp, MoE) and leaf.startswith(("mlp.", "block_sparse_moe.")):
+        return _moe_destination(mlp, config, leaf)
     match leaf.split("."):
         case ["input_layernorm", "weight"]:
             return layer.input_layernorm.weight.data
@@ -397,10 +423,37 @@ def _layer_destination(layer: DecoderLayer, config: ModelConfig, leaf: str) -> t
         case ["self_attn", "k_norm", "weight"]:
             assert attn.k_norm is not None
             return attn.k_norm.weight.data
-        case ["mlp", "gate_proj", "weight"]:
+        case ["mlp", "gate_proj", "weight"] if isinstance(mlp, MLP):
             return mlp.gate_up_weight.data[: config.intermediate_size]
-        case ["mlp", "up_proj", "weight"]:
+        case ["mlp", "up_proj", "weight"] if isinstance(mlp, MLP):
             return mlp.gate_up_weight.data[config.intermediate_size :]
-        case ["mlp", "down_proj", "weight"]:
+        case ["mlp", "down_proj", "weight"] if isinstance(mlp, MLP):
             return mlp.down_weight.data
     raise AssertionError(f"no destination for {leaf}")  # _expected_shapes and this table disagree
+
+
+def _moe_destination(mlp: MoE, config: ModelConfig, leaf: str) -> torch.Tensor:
+    """The MoE tensor (or fused slice) that checkpoint tensor ``leaf`` (``mlp.experts.3.up_proj.weight``,
+    ``block_sparse_moe.experts.3.w3.weight`` …) is copied into. Mixtral: w1 = gate, w3 = up, w2 = down."""
+    assert config.moe is not None
+    i = config.moe.intermediate_size
+    match leaf.split("."):
+        case [("mlp" | "block_sparse_moe"), "gate", "weight"]:
+            return mlp.gate_weight.data
+        case [_, "experts", e, ("gate_proj" | "w1"), "weight"]:
+            return mlp.gate_up_weight.data[int(e), :i]
+        case [_, "experts", e, ("up_proj" | "w3"), "weight"]:
+            return mlp.gate_up_weight.data[int(e), i:]
+        case [_, "experts", e, ("down_proj" | "w2"), "weight"]:
+            return mlp.down_weight.data[int(e)]
+        case ["mlp", "shared_expert", proj, "weight"] if mlp.shared_gate_up_weight is not None:
+            s = config.moe.shared_intermediate_size
+            if proj == "gate_proj":
+                return mlp.shared_gate_up_weight.data[:s]
+            if proj == "up_proj":
+                return mlp.shared_gate_up_weight.data[s:]
+            assert mlp.shared_down_weight is not None
+            return mlp.shared_down_weight.data
+        case ["mlp", "shared_expert_gate", "weight"] if mlp.shared_gate_weight is not None:
+            return mlp.shared_gate_weight.data
+    raise AssertionError(f"no destination for {leaf}")  # _layer_tensors and this table disagree

@@ -281,16 +281,65 @@ class MLP(nn.Module):
         return qlinear(ka.silu_and_mul(gate_up), self.down_weight, None, self.down_quant)
 
 
+class MoE(nn.Module):
+    """A sparse SwiGLU MLP (Qwen2/3-MoE, Mixtral): softmax router, top-k experts per token, renormalised as the
+    config says, experts run on the groups of tokens routed to them; plus Qwen2-MoE's sigmoid-gated shared
+    expert. The router's softmax is in float32 and its weights are cast back to the activation dtype before
+    they scale the experts' outputs (transformers' order). Expert e's gate and up are fused
+    (``gate_up_weight[e]`` ``[2I, H]``)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        h, i = config.hidden_size, moe.intermediate_size
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.gate_weight = _param(moe.num_experts, h, dtype=dtype, device=device)
+        self.gate_up_weight = _param(moe.num_experts, 2 * i, h, dtype=dtype, device=device)
+        self.down_weight = _param(moe.num_experts, h, i, dtype=dtype, device=device)
+        s = moe.shared_intermediate_size
+        self.shared_gate_up_weight = _param(2 * s, h, dtype=dtype, device=device) if s else None
+        self.shared_down_weight = _param(h, s, dtype=dtype, device=device) if s else None
+        self.shared_gate_weight = _param(1, h, dtype=dtype, device=device) if s else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(F.linear(x, self.gate_weight), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        # token groups: one product pair per expert that any token of the step picked
+        for expert in torch.unique(experts).tolist():
+            rows, slot = torch.where(experts == expert)
+            gate, up = F.linear(x[rows], self.gate_up_weight[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_weight[expert])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        if self.shared_gate_up_weight is not None and self.shared_down_weight is not None \
+                and self.shared_gate_weight is not None:
+            gate, up = linear(x, self.shared_gate_up_weight).chunk(2, dim=-1)
+            shared = linear(F.silu(gate) * up, self.shared_down_weight)
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate_weight)) * shared
+        return out
+
+    def forward_triton(self, h: torch.Tensor) -> torch.Tensor:
+        return self.forward(h)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = Attention(config, layer_idx, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.is_sparse = config.moe is not None and config.moe.sparse_layers[layer_idx]
+        self.mlp: MLP | MoE = MoE(config, dtype, device) if self.is_sparse else MLP(config, dtype, device)
 
     def linear_weights(self) -> list[torch.Tensor]:
         attn, mlp = self.self_attn, self.mlp
+        if isinstance(mlp, MoE):
+            shared = [w for w in (mlp.shared_gate_up_weight, mlp.shared_down_weight) if w is not None]
+            return [attn.qkv_weight, attn.o_weight, *shared]
         return [attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight]
 
     def forward(
@@ -440,7 +489,8 @@ class CausalLM(nn.Module):
         decoder_cls = cpu_kernels.Decoder
         attention = self.attention
         if (decoder_cls is None or not isinstance(attention, TorchPagedAttention) or attention.fused_decode is None
-                or self.dtype != torch.float32 or self.embed_tokens.device.type != "cpu" or self.has_quantized_forward):
+                or self.dtype != torch.float32 or self.embed_tokens.device.type != "cpu" or self.has_quantized_forward
+                or self.config.moe is not None):
             return None
         if self._decoder is not None and self._decoder[0] == _pack_generation:
             return self._decoder[1]
@@ -502,7 +552,8 @@ class CausalLM(nn.Module):
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         for layer in cast("Iterable[DecoderLayer]", self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            for quant in (attn.qkv_quant, attn.o_quant, mlp.gate_up_quant, mlp.down_quant):
+            mlp_quant = (mlp.gate_up_quant, mlp.down_quant) if isinstance(mlp, MLP) else ()
+            for quant in (attn.qkv_quant, attn.o_quant, *mlp_quant):
                 if quant is not None and quant.parts is not None:
                     total += sum(part.num_bytes for part in quant.parts)
         return total
