@@ -116,3 +116,27 @@ def test_an_moe_config_with_an_unknown_router_is_refused_naming_it(tmp_path: Pat
     with pytest.raises(ModelLoadError) as err:
         ModelConfig.from_dir(_config(tmp_path, **overrides))
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("variant_name", ["qwen2_moe", "mixtral"])
+def test_quantized_expert_weights_compute_what_they_decode_to(tmp_path: Path, variant_name: str) -> None:
+    """AWQ experts (and attention, shared expert) dequantised at load: logits equal the dense twin's."""
+    from services.engine.model.loader import load_model
+    from tests.unit import quant_checkpoints as qc
+    from tests.unit.engine.model_helpers import make_runner, reversed_blocks, runner_greedy
+
+    family, kwargs = _variants()[variant_name]
+    dense = _write(tmp_path / "dense", family, kwargs)
+    # group 16: the shared expert's 48-wide down projection is not a multiple of 32
+    config = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"}
+    qc.quantize_checkpoint(dense, tmp_path / "q", tmp_path / "twin", qc.awq(16), config)
+    prompt = _prompts(4, 1)[0]
+    runs = []
+    for path in (tmp_path / "twin", tmp_path / "q"):
+        model, cfg = load_model(path)
+        runs.append(runner_greedy(make_runner(model, cfg), prompt, 6, reversed_blocks(12),
+                                  forced=runs[0][0] if runs else None))
+    torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-4, rtol=1e-4)
+    assert runs[1][0] == runs[0][0]
+    with pytest.raises(ModelLoadError, match="quantized expert weights are dequantised at load only"):
+        load_model(tmp_path / "q", quant_dequant="per-product")

@@ -60,9 +60,6 @@ def load_model(
         raise ModelLoadError(str(root), f"unsupported quant_dequant {quant_dequant!r} "
                                         f"(supported: {', '.join(QUANT_DEQUANT_MODES)})")
     config = ModelConfig.from_dir(root)
-    if config.moe is not None and config.quant is not None:
-        raise ModelLoadError(str(root), f"a {config.quant.method} quantized mixture-of-experts checkpoint is not "
-                                        "supported yet (dense MoE and quantized dense models are)")
     target_dtype = _resolve_dtype(dtype, config, root)
     files = _tensor_files(root)
 
@@ -83,7 +80,7 @@ def quantized_layers(config: ModelConfig) -> dict[str, WeightScheme]:
     out: dict[str, WeightScheme] = {}
     for name in _expected_shapes(config):
         module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and (module == "lm_head" or module.rpartition(".")[2] in _FUSED):
+        if leaf == "weight" and (module == "lm_head" or module.rpartition(".")[2] in (*_FUSED, "w1", "w2", "w3")):
             scheme = config.quant.scheme_for(module)
             if scheme is not None:
                 out[module] = scheme
@@ -120,6 +117,11 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
         for module, scheme in layers.items():
             name = f"{module}.weight"
             shape = cast(tuple[int, int], expected.pop(name))
+            is_expert = ".experts." in module or ".shared_expert." in module
+            if is_expert and (mode != "load" or scheme.act_dynamic_fp8 is not None):
+                raise ModelLoadError(str(root), f"{module}: quantized expert weights are dequantised at load only, "
+                                                "without activation quantisation (use --quant-dequant load; W8A8 "
+                                                "experts are not supported yet)")
             if module == "lm_head" or mode == "load":
                 try:
                     weight = dequantize(scheme, get, module, shape)
@@ -127,7 +129,7 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
                     raise ModelLoadError(str(root), str(exc)) from exc
                 _destination(model, config, name).copy_(weight.to(dtype))
                 del weight
-                if module == "lm_head":
+                if module == "lm_head" or is_expert:
                     continue
             else:
                 part = PackedPart(scheme=scheme, prefix=module, shape=shape,
