@@ -43,3 +43,23 @@ def test_the_start_line_reports_weight_bytes_and_the_dequantisation_mode(tmp_pat
                             for m in ("load", "per-product"))
     # int4 codes + fp16 scales + int4 zeros in place of fp32 weights (embedding and lm_head stay dense)
     assert packed_mib < 0.6 * load_mib
+
+
+def test_the_quant_dequant_flag_reaches_the_engine_config_and_refuses_other_values(tmp_path: Path) -> None:
+    import argparse
+
+    import pytest
+
+    from services.engine.__main__ import add_arguments, build_config
+
+    model = write_tiny_checkpoint(tmp_path / "m", "qwen3")
+
+    def cli(*flags: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return parser.parse_args([str(model), "--data-dir", str(tmp_path), *flags])
+
+    assert build_config(cli())[0].quant_dequant == "load"
+    assert build_config(cli("--quant-dequant", "per-product"))[0].quant_dequant == "per-product"
+    with pytest.raises(SystemExit):
+        cli("--quant-dequant", "lazy")
