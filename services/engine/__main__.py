@@ -43,6 +43,7 @@ from services.engine.engine_core import EngineCore
 from services.engine.errors import EngineError
 from services.engine.kernels.backend import BackendUnavailableError, select_backend
 from services.engine.model.artifact import materialize
+from services.engine.model.loader import QUANT_DEQUANT_MODES
 from services.engine.model.pooler import POOLING_TYPES
 from services.engine.serve.async_engine import AsyncEngine, EngineHandle
 from services.engine.serve.energy import detect_meter
@@ -67,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-id", help="the name clients use (default: the model's file or directory name)")
     parser.add_argument("--max-context", type=int, help="per-request limit on prompt + max_tokens")
     parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="KV cache storage dtype")
+    parser.add_argument("--quant-dequant", choices=list(QUANT_DEQUANT_MODES), default="load",
+                        help="a quantized checkpoint (FP8, NVFP4, AWQ, GPTQ): dequantise its weights once at load "
+                             "(default; dense memory, dense speed) or inside every product (per-product: the "
+                             "packed bytes stay resident, each product pays the dequantisation)")
     parser.add_argument("--max-concurrency", type=int, default=8, help="lanes: requests running at once")
     parser.add_argument("--max-pending-requests", type=int, default=64, help="bounded waiting queue")
     parser.add_argument("--kv-capacity", type=_kv_capacity, metavar="TOKENS|auto",
@@ -201,7 +206,7 @@ def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, W
     model_id = args.model_id or Path(args.model_path).stem
     engine = EngineConfig(
         model_path=path, model_id=model_id, dtype=args.dtype, device=args.device, kv_dtype=args.kv_dtype,
-        kv_capacity_tokens=args.kv_capacity, max_concurrency=args.max_concurrency,
+        quant_dequant=args.quant_dequant, kv_capacity_tokens=args.kv_capacity, max_concurrency=args.max_concurrency,
         max_pending_requests=args.max_pending_requests, max_context=args.max_context,
         preserve_thinking=args.preserve_thinking, spec=spec, backend=args.backend,
         stream_interval_ms=args.stream_interval_ms, cuda_graphs=not args.no_cuda_graphs,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from services.engine.model.kv_cache import DEFAULT_KV_MEMORY_FRACTION
+from services.engine.model.loader import QuantDequant
 from services.engine.model.pooler import PoolingType
 from services.engine.spec.spec_decode import SpecConfig
 
@@ -21,6 +22,8 @@ class EngineConfig:
     device: str = "cpu"
     backend: str | None = None  # kernels: "auto"/None (triton on CUDA, else torch), "torch", "triton"
     kv_dtype: Literal["auto", "fp8"] = "auto"
+    # A quantized checkpoint: dequantise once at load ("load") or inside every product ("per-product").
+    quant_dequant: QuantDequant = "load"
     kv_capacity_tokens: int | None = None
     kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION
     block_size: int = 16

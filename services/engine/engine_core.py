@@ -104,7 +104,7 @@ class EngineCore:
         self.device = torch.device(config.device)
         self.backend = select_backend(self.device, config.backend)
         self.model, self.model_config = load_model(config.model_path, dtype=config.dtype, device=self.device,
-                                                   backend=self.backend)
+                                                   backend=self.backend, quant_dequant=config.quant_dequant)
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.model_id = config.model_id or Path(config.model_path).name
         spec = KVCacheSpec(
@@ -460,12 +460,17 @@ class EngineCore:
             iteration_tokens=self.iteration_tokens.copy(), inter_token_latency=self.inter_token_latency.copy(),
         )
 
+    def _quant_note(self) -> str:
+        quant = self.model_config.quant
+        return "" if quant is None else f" ({quant.method}, dequantised {self.config.quant_dequant})"
+
     def describe(self) -> str:
         gib = self.free_memory_bytes / 2**30
         where = "VRAM" if self.device.type == "cuda" else "RAM"
         return (
             f"model {self.model_id} ({self.model_config.architecture}, "
             f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M params) on {self.device}; "
+            f"weights {self.model.weight_bytes() / 2**20:.1f} MiB{self._quant_note()}; "
             f"free {where} {gib:.1f} GiB; KV capacity {self.kv_capacity_tokens} tokens "
             f"({self.config.kv_dtype}, {math.ceil(self.kv_cache.nbytes / 2**20)} MiB); "
             f"lanes {self.config.max_concurrency}; queue {self.config.max_pending_requests}; "

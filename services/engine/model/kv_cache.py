@@ -232,7 +232,9 @@ def allocate_kv_cache(spec: KVCacheSpec, device: torch.device, *, free_bytes: in
         # From free memory, but no more than every lane at full context twice over (the second
         # half keeps finished prefixes cached): beyond that, memory buys nothing.
         budget = int(free_bytes * memory_fraction)
-        context = max_context or model_max_context
+        # A --max-context above the model's limit is clamped to it (the served context below), so the cache
+        # is sized from the clamped value too: sizing from the request gave a 4M-parameter model 4 GiB.
+        context = min(max_context or model_max_context, model_max_context)
         useful_tokens = 2 * max_concurrency * context + block_size
         budget = min(budget, useful_tokens * spec.bytes_per_token)
         kv_cache = KVCache.for_byte_budget(spec, budget, device)

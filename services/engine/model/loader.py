@@ -18,16 +18,25 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import cast
+from typing import Literal, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from services.engine.errors import ModelLoadError
 from services.engine.kernels.backend import Backend
-from services.engine.model.model import CausalLM, DecoderLayer, prepack_linear_weights
+from services.engine.model.model import MLP, CausalLM, DecoderLayer, MoE, prepack_linear_weights
 from services.engine.model.model_config import DTYPES, ModelConfig
 from services.engine.model.mtp_head import MTP_PREFIX, MTPHead
+from services.engine.model.quant.formats import dequantize, stored_tensors
+from services.engine.model.quant.linear import PackedPart, QuantizedLinear
+from services.engine.model.quant.scheme import QuantConfig, WeightScheme
+
+QuantDequant = Literal["load", "per-product"]
+QUANT_DEQUANT_MODES: tuple[QuantDequant, ...] = ("load", "per-product")
+# Linear layers a quantization_config can cover (checkpoint leaf names); fused in the model as noted.
+_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
+          "up_proj": "gate_up", "down_proj": "down"}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,24 +44,135 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def load_model(
     path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
-    backend: Backend = "torch",
+    backend: Backend = "torch", quant_dequant: QuantDequant = "load",
 ) -> tuple[CausalLM, ModelConfig]:
     """Read the checkpoint at ``path`` and return the model (in eval mode) and its config.
 
     ``dtype``: the weights' dtype; ``None`` takes config.json's ``torch_dtype`` (float32 when absent).
     bfloat16 and float16 work on CPU too, just slower.
+    ``quant_dequant``: for a quantized checkpoint, dequantise every layer once here (``load``), or keep the
+    stored tensors and dequantise inside each product (``per-product``: less memory, slower).
     """
     root = Path(path)
     if not root.is_dir():
         raise ModelLoadError(str(root), "directory does not exist")
+    if quant_dequant not in QUANT_DEQUANT_MODES:
+        raise ModelLoadError(str(root), f"unsupported quant_dequant {quant_dequant!r} "
+                                        f"(supported: {', '.join(QUANT_DEQUANT_MODES)})")
     config = ModelConfig.from_dir(root)
     target_dtype = _resolve_dtype(dtype, config, root)
     files = _tensor_files(root)
 
     model = CausalLM(config, dtype=target_dtype, device=device, backend=backend)
-    _copy_tensors(root, files, _expected_shapes(config), lambda name: _destination(model, config, name), target_dtype)
+    expected = _expected_shapes(config)
+    if config.quant is not None:
+        _load_quantized(root, files, config, config.quant, model, expected, target_dtype, quant_dequant)
+    _copy_tensors(root, files, expected, lambda name: _destination(model, config, name), target_dtype)
     prepack_linear_weights(model.linear_weights())
     return model.eval(), config
+
+
+def quantized_layers(config: ModelConfig) -> dict[str, WeightScheme]:
+    """Checkpoint module name (``model.layers.0.self_attn.q_proj``) → its scheme, for every quantized linear
+    layer of ``config``'s model (empty for a dense checkpoint)."""
+    if config.quant is None:
+        return {}
+    out: dict[str, WeightScheme] = {}
+    for name in _expected_shapes(config):
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and (module == "lm_head" or module.rpartition(".")[2] in (*_FUSED, "w1", "w2", "w3")):
+            scheme = config.quant.scheme_for(module)
+            if scheme is not None:
+                out[module] = scheme
+    return out
+
+
+def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quant: QuantConfig, model: CausalLM,
+                    expected: dict[str, tuple[int, ...]], dtype: torch.dtype, mode: QuantDequant) -> None:
+    """Read every quantized layer's stored tensors; remove its ``.weight`` from ``expected`` (a dense read).
+
+    ``load``: dequantise into the model's dense weight (one layer at a time: no second full copy).
+    ``per-product``: keep the stored tensors on the layer (fused parts together) and free the dense weight.
+    The lm_head, where a checkpoint quantizes it, is always dequantised here (it multiplies once per step).
+    """
+    layers = quantized_layers(config)
+    if not layers:
+        return
+    act_groups: dict[tuple[int, str], set[int | None]] = {}
+    parts: dict[tuple[int, str], list[PackedPart]] = {}
+    with ExitStack() as stack:
+        handles: dict[str, object] = {}
+
+        def get(name: str) -> torch.Tensor:
+            file = files.get(name)
+            if file is None:
+                raise ModelLoadError(str(root), f"missing tensor {name!r} (the quantization_config asks for it)")
+            if file not in handles:
+                try:
+                    handles[file] = stack.enter_context(safe_open(str(root / file), framework="pt"))
+                except (OSError, SafetensorError) as exc:
+                    raise ModelLoadError(str(root / file), f"cannot read safetensors file: {exc}") from exc
+            return cast(torch.Tensor, handles[file].get_tensor(name))  # type: ignore[attr-defined]
+
+        for module, scheme in layers.items():
+            name = f"{module}.weight"
+            shape = cast(tuple[int, int], expected.pop(name))
+            is_expert = ".experts." in module or ".shared_expert." in module
+            if is_expert and (mode != "load" or scheme.act_dynamic_fp8 is not None):
+                raise ModelLoadError(str(root), f"{module}: quantized expert weights are dequantised at load only, "
+                                                "without activation quantisation (use --quant-dequant load; W8A8 "
+                                                "experts are not supported yet)")
+            if module == "lm_head" or mode == "load":
+                try:
+                    weight = dequantize(scheme, get, module, shape)
+                except ValueError as exc:
+                    raise ModelLoadError(str(root), str(exc)) from exc
+                _destination(model, config, name).copy_(weight.to(dtype))
+                del weight
+                if module == "lm_head" or is_expert:
+                    continue
+            else:
+                part = PackedPart(scheme=scheme, prefix=module, shape=shape,
+                                  tensors={n.rsplit(".", 1)[1]: get(n) for n in stored_tensors(scheme, module)})
+                try:
+                    part.dequantize()  # validates shapes and dtypes now, not at the first request
+                except ValueError as exc:
+                    raise ModelLoadError(str(root), str(exc)) from exc
+                parts.setdefault(_fused_key(module), []).append(part)
+            act_groups.setdefault(_fused_key(module), set()).add(scheme.act_dynamic_fp8)
+    for (index, fused), groups in act_groups.items():
+        if len(groups) != 1:
+            raise ModelLoadError(str(root), f"layer {index}'s {fused} projections quantize their input differently "
+                                            "(a fused product needs one scheme)")
+        group = next(iter(groups))
+        packed = parts.get((index, fused))
+        if mode == "per-product" and packed is not None and len(packed) != _num_parts(fused):
+            raise ModelLoadError(str(root), f"layer {index}'s {fused} projections are partly quantized "
+                                            "(per-product dequantisation needs all or none)")
+        state = QuantizedLinear(act_group=group, parts=tuple(packed) if packed else None)
+        _attach(model, index, fused, state)
+        model.has_quantized_forward |= state.act_group is not None or state.parts is not None
+
+
+def _fused_key(module: str) -> tuple[int, str]:
+    parts = module.split(".")  # model.layers.<i>.<self_attn|mlp>.<proj>
+    return int(parts[2]), _FUSED[parts[4]]
+
+
+def _num_parts(fused: str) -> int:
+    return {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}[fused]
+
+
+def _attach(model: CausalLM, index: int, fused: str, state: QuantizedLinear) -> None:
+    """Set the layer's QuantizedLinear; with packed parts, the dense weight it replaces is freed."""
+    layer = cast(DecoderLayer, model.layers[index])
+    owner: torch.nn.Module = layer.self_attn if fused in ("qkv", "o") else layer.mlp
+    weight_attr = f"{fused}_weight"
+    setattr(owner, f"{fused}_quant", state)
+    if state.parts is not None:
+        dense = getattr(owner, weight_attr)
+        # an empty tensor of the same dtype and device: QuantizedLinear.weight() takes its dtype from it
+        setattr(owner, weight_attr, torch.nn.Parameter(dense.new_empty((0, 0)), requires_grad=False))
 
 
 def load_mtp_head(path: str | Path, model: CausalLM, config: ModelConfig) -> MTPHead:
@@ -175,7 +295,8 @@ def _tensor_files(root: Path) -> dict[str, str]:
         raise ModelLoadError(str(single), f"cannot read safetensors file: {exc}") from exc
 
 
-def _layer_tensors(config: ModelConfig, prefix: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _layer_tensors(config: ModelConfig, prefix: str, layer_idx: int | None = None
+                   ) -> Iterator[tuple[str, tuple[int, ...]]]:
     h, d = config.hidden_size, config.head_dim
     q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
     yield f"{prefix}.input_layernorm.weight", (h,)
@@ -190,6 +311,27 @@ def _layer_tensors(config: ModelConfig, prefix: str) -> Iterator[tuple[str, tupl
     if config.qk_norm:
         yield f"{prefix}.self_attn.q_norm.weight", (d,)
         yield f"{prefix}.self_attn.k_norm.weight", (d,)
+    moe = config.moe
+    if moe is not None and layer_idx is not None and moe.sparse_layers[layer_idx]:
+        i = moe.intermediate_size
+        if moe.naming == "mixtral":
+            yield f"{prefix}.block_sparse_moe.gate.weight", (moe.num_experts, h)
+            for e in range(moe.num_experts):
+                yield f"{prefix}.block_sparse_moe.experts.{e}.w1.weight", (i, h)
+                yield f"{prefix}.block_sparse_moe.experts.{e}.w3.weight", (i, h)
+                yield f"{prefix}.block_sparse_moe.experts.{e}.w2.weight", (h, i)
+            return
+        yield f"{prefix}.mlp.gate.weight", (moe.num_experts, h)
+        for e in range(moe.num_experts):
+            yield f"{prefix}.mlp.experts.{e}.gate_proj.weight", (i, h)
+            yield f"{prefix}.mlp.experts.{e}.up_proj.weight", (i, h)
+            yield f"{prefix}.mlp.experts.{e}.down_proj.weight", (h, i)
+        if s := moe.shared_intermediate_size:
+            yield f"{prefix}.mlp.shared_expert.gate_proj.weight", (s, h)
+            yield f"{prefix}.mlp.shared_expert.up_proj.weight", (s, h)
+            yield f"{prefix}.mlp.shared_expert.down_proj.weight", (h, s)
+            yield f"{prefix}.mlp.shared_expert_gate.weight", (1, h)
+        return
     yield f"{prefix}.mlp.gate_proj.weight", (config.intermediate_size, h)
     yield f"{prefix}.mlp.up_proj.weight", (config.intermediate_size, h)
     yield f"{prefix}.mlp.down_proj.weight", (h, config.intermediate_size)
@@ -201,7 +343,7 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "model.embed_tokens.weight": (config.vocab_size, config.hidden_size)
     }
     for i in range(config.num_hidden_layers):
-        shapes.update(_layer_tensors(config, f"model.layers.{i}"))
+        shapes.update(_layer_tensors(config, f"model.layers.{i}", i))
     shapes["model.norm.weight"] = (config.hidden_size,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
@@ -258,6 +400,8 @@ def _layer_destination(layer: DecoderLayer, config: ModelConfig, leaf: str) -> t
         "v_proj": (q_size + kv_size, q_size + 2 * kv_size),
     }
     attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(mlp, MoE) and leaf.startswith(("mlp.", "block_sparse_moe.")):
+        return _moe_destination(mlp, config, leaf)
     match leaf.split("."):
         case ["input_layernorm", "weight"]:
             return layer.input_layernorm.weight.data
@@ -281,10 +425,37 @@ def _layer_destination(layer: DecoderLayer, config: ModelConfig, leaf: str) -> t
         case ["self_attn", "k_norm", "weight"]:
             assert attn.k_norm is not None
             return attn.k_norm.weight.data
-        case ["mlp", "gate_proj", "weight"]:
+        case ["mlp", "gate_proj", "weight"] if isinstance(mlp, MLP):
             return mlp.gate_up_weight.data[: config.intermediate_size]
-        case ["mlp", "up_proj", "weight"]:
+        case ["mlp", "up_proj", "weight"] if isinstance(mlp, MLP):
             return mlp.gate_up_weight.data[config.intermediate_size :]
-        case ["mlp", "down_proj", "weight"]:
+        case ["mlp", "down_proj", "weight"] if isinstance(mlp, MLP):
             return mlp.down_weight.data
     raise AssertionError(f"no destination for {leaf}")  # _expected_shapes and this table disagree
+
+
+def _moe_destination(mlp: MoE, config: ModelConfig, leaf: str) -> torch.Tensor:
+    """The MoE tensor (or fused slice) that checkpoint tensor ``leaf`` (``mlp.experts.3.up_proj.weight``,
+    ``block_sparse_moe.experts.3.w3.weight`` …) is copied into. Mixtral: w1 = gate, w3 = up, w2 = down."""
+    assert config.moe is not None
+    i = config.moe.intermediate_size
+    match leaf.split("."):
+        case [("mlp" | "block_sparse_moe"), "gate", "weight"]:
+            return mlp.gate_weight.data
+        case [_, "experts", e, ("gate_proj" | "w1"), "weight"]:
+            return mlp.gate_up_weight.data[int(e), :i]
+        case [_, "experts", e, ("up_proj" | "w3"), "weight"]:
+            return mlp.gate_up_weight.data[int(e), i:]
+        case [_, "experts", e, ("down_proj" | "w2"), "weight"]:
+            return mlp.down_weight.data[int(e)]
+        case ["mlp", "shared_expert", proj, "weight"] if mlp.shared_gate_up_weight is not None:
+            s = config.moe.shared_intermediate_size
+            if proj == "gate_proj":
+                return mlp.shared_gate_up_weight.data[:s]
+            if proj == "up_proj":
+                return mlp.shared_gate_up_weight.data[s:]
+            assert mlp.shared_down_weight is not None
+            return mlp.shared_down_weight.data
+        case ["mlp", "shared_expert_gate", "weight"] if mlp.shared_gate_weight is not None:
+            return mlp.shared_gate_weight.data
+    raise AssertionError(f"no destination for {leaf}")  # _layer_tensors and this table disagree

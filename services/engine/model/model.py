@@ -30,6 +30,7 @@ from services.engine.kernels.backend import Backend
 from services.engine.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from services.engine.model.kv_cache import KVCache
 from services.engine.model.model_config import ModelConfig
+from services.engine.model.quant.linear import QuantizedLinear
 
 # oneDNN's fp32 GEMM (the kernel inductor picks on CPU) against MKL's, which F.linear calls: on the bench
 # machine (AMD EPYC, 2 cores) oneDNN is 1.5-2.8x faster for every step-sized shape except one-row products
@@ -95,6 +96,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out: torch.Tensor = _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
         return out
     return F.linear(x, weight, bias)
+
+
+def qlinear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            quant: QuantizedLinear | None) -> torch.Tensor:
+    """:func:`linear` of a layer that may be quantized: its input rounded as the checkpoint asks (W8A8), its
+    weight dequantised now when the layer keeps it packed (``--quant-dequant per-product``)."""
+    if quant is None:
+        return linear(x, weight, bias)
+    return linear(quant.input(x), quant.weight(weight), bias)
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -195,11 +205,13 @@ class Attention(nn.Module):
         self.o_bias = _param(config.hidden_size, dtype=dtype, device=device) if config.o_proj_bias else None
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.qkv_quant: QuantizedLinear | None = None  # set by the loader for a quantized checkpoint
+        self.o_quant: QuantizedLinear | None = None
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One fused projection → per-head views ``[T, H, D]`` of q, k and v."""
         num_tokens = x.shape[0]
-        q, k, v = torch.split(linear(x, self.qkv_weight, self.qkv_bias), self.split_sizes, dim=-1)
+        q, k, v = torch.split(qlinear(x, self.qkv_weight, self.qkv_bias, self.qkv_quant), self.split_sizes, dim=-1)
         return (q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
                 v.view(num_tokens, self.num_kv_heads, self.head_dim))
 
@@ -227,7 +239,7 @@ class Attention(nn.Module):
                 k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
             q, k = _apply_rope(q, cos, signed_sin), _apply_rope(k, cos, signed_sin)
         o = backend.forward(self.layer_idx, q, k, v, meta, kv_cache)
-        return linear(o.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+        return qlinear(o.reshape(num_tokens, -1), self.o_weight, self.o_bias, self.o_quant)
 
     def forward_triton(self, x: torch.Tensor, positions: torch.Tensor, rope_cos: torch.Tensor,
                        rope_sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
@@ -243,7 +255,7 @@ class Attention(nn.Module):
             k = kn.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         kr.rope_(q, k, positions, rope_cos, rope_sin)
         o = backend.forward(self.layer_idx, q, k, v, meta, kv_cache)
-        return linear(o.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+        return qlinear(o.reshape(num_tokens, -1), self.o_weight, self.o_bias, self.o_quant)
 
 
 class MLP(nn.Module):
@@ -255,10 +267,63 @@ class MLP(nn.Module):
             2 * config.intermediate_size, config.hidden_size, dtype=dtype, device=device
         )
         self.down_weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+        self.gate_up_quant: QuantizedLinear | None = None  # set by the loader for a quantized checkpoint
+        self.down_quant: QuantizedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight)
+        gate, up = qlinear(x, self.gate_up_weight, None, self.gate_up_quant).chunk(2, dim=-1)
+        return qlinear(F.silu(gate) * up, self.down_weight, None, self.down_quant)
+
+    def forward_triton(self, h: torch.Tensor) -> torch.Tensor:
+        from services.engine.kernels import activation as ka
+
+        gate_up = qlinear(h, self.gate_up_weight, None, self.gate_up_quant)
+        return qlinear(ka.silu_and_mul(gate_up), self.down_weight, None, self.down_quant)
+
+
+class MoE(nn.Module):
+    """A sparse SwiGLU MLP (Qwen2/3-MoE, Mixtral): softmax router, top-k experts per token, renormalised as the
+    config says, experts run on the groups of tokens routed to them; plus Qwen2-MoE's sigmoid-gated shared
+    expert. The router's softmax is in float32 and its weights are cast back to the activation dtype before
+    they scale the experts' outputs (transformers' order). Expert e's gate and up are fused
+    (``gate_up_weight[e]`` ``[2I, H]``)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        h, i = config.hidden_size, moe.intermediate_size
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.gate_weight = _param(moe.num_experts, h, dtype=dtype, device=device)
+        self.gate_up_weight = _param(moe.num_experts, 2 * i, h, dtype=dtype, device=device)
+        self.down_weight = _param(moe.num_experts, h, i, dtype=dtype, device=device)
+        s = moe.shared_intermediate_size
+        self.shared_gate_up_weight = _param(2 * s, h, dtype=dtype, device=device) if s else None
+        self.shared_down_weight = _param(h, s, dtype=dtype, device=device) if s else None
+        self.shared_gate_weight = _param(1, h, dtype=dtype, device=device) if s else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(F.linear(x, self.gate_weight), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        # token groups: one product pair per expert that any token of the step picked
+        for expert in torch.unique(experts).tolist():
+            rows, slot = torch.where(experts == expert)
+            gate, up = F.linear(x[rows], self.gate_up_weight[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_weight[expert])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        if self.shared_gate_up_weight is not None and self.shared_down_weight is not None \
+                and self.shared_gate_weight is not None:
+            gate, up = linear(x, self.shared_gate_up_weight).chunk(2, dim=-1)
+            shared = linear(F.silu(gate) * up, self.shared_down_weight)
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate_weight)) * shared
+        return out
+
+    def forward_triton(self, h: torch.Tensor) -> torch.Tensor:
+        return self.forward(h)
 
 
 class DecoderLayer(nn.Module):
@@ -267,10 +332,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = Attention(config, layer_idx, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.is_sparse = config.moe is not None and config.moe.sparse_layers[layer_idx]
+        self.mlp: MLP | MoE = MoE(config, dtype, device) if self.is_sparse else MLP(config, dtype, device)
 
     def linear_weights(self) -> list[torch.Tensor]:
         attn, mlp = self.self_attn, self.mlp
+        if isinstance(mlp, MoE):
+            shared = [w for w in (mlp.shared_gate_up_weight, mlp.shared_down_weight) if w is not None]
+            return [attn.qkv_weight, attn.o_weight, *shared]
         return [attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight]
 
     def forward(
@@ -333,6 +402,9 @@ class CausalLM(nn.Module):
         )
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         self._decoder: tuple[int, Any] | None = None  # (pack generation, cpu_kernels.Decoder)
+        # True when some layer quantizes its input or dequantises per product (set by the loader): the
+        # compiled decoder multiplies by the dense weights it was handed, so it is not used then.
+        self.has_quantized_forward = False
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # the compiled decoder's RoPE tables
         if backend == "triton":
             from services.engine.kernels.reference import rope_cos_sin_cache
@@ -417,7 +489,8 @@ class CausalLM(nn.Module):
         decoder_cls = cpu_kernels.Decoder
         attention = self.attention
         if (decoder_cls is None or not isinstance(attention, TorchPagedAttention) or attention.fused_decode is None
-                or self.dtype != torch.float32 or self.embed_tokens.device.type != "cpu"):
+                or self.dtype != torch.float32 or self.embed_tokens.device.type != "cpu" or self.has_quantized_forward
+                or self.config.moe is not None):
             return None
         if self._decoder is not None and self._decoder[0] == _pack_generation:
             return self._decoder[1]
@@ -448,7 +521,6 @@ class CausalLM(nn.Module):
                         kv_cache: KVCache) -> torch.Tensor:
         """The CUDA path: the residual stream carried separately, every x + sublayer(x) fused into the next
         norm (services/engine/kernels); numerically the torch path's (tests/unit/engine/test_triton_kernels.py)."""
-        from services.engine.kernels import activation as ka
         from services.engine.kernels import rms_norm as kn
 
         residual = F.embedding(input_ids, self.embed_tokens)
@@ -462,7 +534,7 @@ class CausalLM(nn.Module):
             x = layer.self_attn.forward_triton(h, positions, self.rope_cos, self.rope_sin, meta, kv_cache,
                                                self.attention)
             h, residual = kn.fused_add_rms_norm(x, residual, norm2.weight, norm2.eps)
-            x = linear(ka.silu_and_mul(linear(h, mlp.gate_up_weight)), mlp.down_weight)
+            x = mlp.forward_triton(h)
         if x is None:
             return kn.rms_norm(residual, self.norm.weight, self.norm.eps)
         return kn.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
@@ -473,6 +545,18 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             out += cast(DecoderLayer, layer).linear_weights()
         return out
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight this model holds: its parameters (a tied LM head once) and the stored tensors
+        of layers kept packed (``--quant-dequant per-product``)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for layer in cast("Iterable[DecoderLayer]", self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            mlp_quant = (mlp.gate_up_quant, mlp.down_quant) if isinstance(mlp, MLP) else ()
+            for quant in (attn.qkv_quant, attn.o_quant, *mlp_quant):
+                if quant is not None and quant.parts is not None:
+                    total += sum(part.num_bytes for part in quant.parts)
+        return total
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` → logits ``[N, vocab_size]`` in float32."""

@@ -9,6 +9,7 @@ rather than silently computing something different from the reference model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +18,23 @@ from typing import Any
 import torch
 
 from services.engine.errors import ModelLoadError, UnsupportedArchitectureError
+from services.engine.model.quant.scheme import QuantConfig, read_quant_config
 
 # architectures[0] -> family name used throughout the engine.
 ARCHITECTURE_FAMILIES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # mixture-of-experts variants: the same attention as their dense family, a sparse MLP (MoEConfig)
+    "Qwen3MoeForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2",
+    "MixtralForCausalLM": "llama",
 }
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+# Router keys of other MoE families (DeepSeek-V2/V3 grouped sigmoid routing, scaled weights, bias-corrected
+# scores): a config naming one is refused rather than routed by plain softmax top-k.
+_UNSUPPORTED_ROUTER_KEYS = ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor",
+                            "n_routed_experts", "moe_layer_freq", "router_type", "num_shared_experts")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -63,6 +74,54 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """A sparse MLP: softmax router over ``num_experts``, top ``top_k`` experts per token, their weights
+    renormalised to sum to 1 when ``norm_topk_prob`` (Mixtral always; Qwen as its config says), plus an
+    optional shared expert gated by ``sigmoid(x @ shared_expert_gate)`` (Qwen2-MoE). ``sparse_layers[i]``:
+    layer i is sparse (else a dense MLP of ``intermediate_size``). ``naming``: the checkpoint's tensor names,
+    "qwen" (``mlp.gate``, ``mlp.experts.E.{gate,up,down}_proj``) or "mixtral"
+    (``block_sparse_moe.experts.E.w1/w3/w2``)."""
+
+    naming: str
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int
+    sparse_layers: tuple[bool, ...]
+
+
+def _parse_moe(arch: str, d: dict[str, Any], num_layers: int, source: str) -> MoEConfig:
+    for key in _UNSUPPORTED_ROUTER_KEYS:
+        if d.get(key) is not None and not (key == "routed_scaling_factor" and d[key] == 1.0):
+            raise ModelLoadError(source, f"unsupported MoE router option {key!r}={d[key]!r} "
+                                         "(supported: softmax top-k routing)")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(source, f"unsupported hidden_act {d['hidden_act']!r} (only 'silu')")
+    num_experts = d.get("num_experts") or d.get("num_local_experts")
+    top_k = d.get("num_experts_per_tok")
+    if not num_experts or not top_k or not 0 < int(top_k) <= int(num_experts):
+        raise ModelLoadError(source, f"MoE config needs num_experts (or num_local_experts) and num_experts_per_tok "
+                                     f"<= it, got {num_experts!r} and {top_k!r}")
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(naming="mixtral", num_experts=int(num_experts), top_k=int(top_k),
+                         intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
+                         shared_intermediate_size=0, sparse_layers=(True,) * num_layers)
+    if d.get("moe_intermediate_size") is None:
+        raise ModelLoadError(source, "missing required key 'moe_intermediate_size'")
+    step = int(d.get("decoder_sparse_step") or 1)
+    mlp_only = set(d.get("mlp_only_layers") or [])
+    shared = int(d.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    if arch == "Qwen2MoeForCausalLM" and shared <= 0:
+        raise ModelLoadError(source, "missing required key 'shared_expert_intermediate_size'")
+    # transformers' Qwen2/3-MoE decoder layer: sparse when not in mlp_only_layers and (i + 1) % step == 0
+    return MoEConfig(naming="qwen", num_experts=int(num_experts), top_k=int(top_k),
+                     intermediate_size=int(d["moe_intermediate_size"]),
+                     norm_topk_prob=bool(d.get("norm_topk_prob", False)), shared_intermediate_size=shared,
+                     sparse_layers=tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(num_layers)))
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Decoder hyper-parameters. Sizes are counts; ``head_dim`` is per attention head."""
 
@@ -88,6 +147,9 @@ class ModelConfig:
     # Multi-token-prediction modules stored as ``mtp.*`` tensors (DeepSeek-V3 ``num_nextn_predict_layers``,
     # Qwen3-Next ``mtp_num_hidden_layers``); 0 when the config names none. Only ``--spec mtp`` loads them.
     num_mtp_layers: int = 0
+    # The checkpoint's quantization_config (or ModelOpt hf_quant_config.json); None for dense weights.
+    quant: QuantConfig | None = None
+    moe: MoEConfig | None = None  # a mixture-of-experts model's sparse MLPs
 
     @property
     def dtype(self) -> torch.dtype:
@@ -109,7 +171,10 @@ class ModelConfig:
             raise ModelLoadError(str(config_path), f"config.json is not valid JSON: {exc}") from exc
         if not isinstance(raw, dict):
             raise ModelLoadError(str(config_path), "config.json is not a JSON object")
-        return cls.from_dict(raw, source=str(config_path))
+        config = cls.from_dict(raw, source=str(config_path))
+        if config.quant is None and (quant := read_quant_config(Path(path), raw, str(config_path))) is not None:
+            config = dataclasses.replace(config, quant=quant)  # hf_quant_config.json beside a plain config.json
+        return config
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
@@ -189,6 +254,9 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             num_mtp_layers=int(d.get("num_nextn_predict_layers") or d.get("mtp_num_hidden_layers") or 0),
+            quant=read_quant_config(Path(), d, source) if d.get("quantization_config") is not None else None,
+            moe=_parse_moe(architectures[0], d, int(d["num_hidden_layers"]), source)
+            if architectures[0] in MOE_ARCHITECTURES else None,
         )
 
 

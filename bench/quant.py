@@ -1,0 +1,95 @@
+"""Quantized weights on the CPU: dequantised once at load vs per product, memory and decode tok/s (issue #27).
+
+One random-weight Qwen3 checkpoint (``--shape``: hidden 256, 4 layers, intermediate 768, vocab 8192 by default,
+the "tiny" shape of bench/engine_throughput.py; ``--shape 100m`` for that one, minutes per format) is
+written once dense and then in each format's exact on-disk layout (tests/unit/quant_checkpoints.py, the
+quantizers the tests use). For every (format, mode): weight bytes the model holds (``CausalLM.weight_bytes``:
+parameters plus packed tensors), the process's resident-set growth while loading (``/proc/self/statm``; noisy,
+the allocator keeps freed pages), and greedy decode tok/s at batch 1 (one 32-token prompt, 16 decode steps,
+after a warm-up run), through the model runner on a paged KV cache.
+
+Usage: ``python -m bench.quant [--shape tiny|100m] [--tokens N]``; prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from services.engine.model.loader import load_model
+from services.engine.tiny_checkpoint import write_tiny_checkpoint
+from tests.unit import quant_checkpoints as qc
+from tests.unit.engine.model_helpers import make_runner, runner_greedy
+
+SHAPES = {"tiny": {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
+                   "intermediate_size": 768, "vocab_size": 8192},
+          "100m": {"hidden_size": 1024, "num_layers": 8, "num_heads": 16, "num_kv_heads": 8,
+                   "intermediate_size": 2048, "vocab_size": 32000, "tie_word_embeddings": True}}
+FP8 = {"num_bits": 8, "type": "float"}
+FORMATS: dict[str, tuple[qc.Quantizer, dict[str, object]]] = {
+    "fp8 per-channel (CT)": (qc.fp8_channel, qc.ct_config("float-quantized", {**FP8, "strategy": "channel"})),
+    "fp8 W8A8 dynamic (CT)": (qc.fp8_channel, qc.ct_config("float-quantized", {**FP8, "strategy": "channel"},
+                                                           {**FP8, "strategy": "token", "dynamic": True})),
+    "fp8 128x128 block": (qc.fp8_block(128, "weight_scale_inv"), {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}),
+    "nvfp4 (CT)": (qc.nvfp4("ct"), qc.ct_config("nvfp4-pack-quantized", {
+        "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16})),
+    "awq g128": (qc.awq(128), {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}),
+    "gptq g128 sym": (qc.gptq(128, sym=True), {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True}),
+}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _measure(path: Path, mode: str, num_tokens: int) -> tuple[int, int, float]:
+    gc.collect()
+    before = _rss_bytes()
+    model, config = load_model(path, quant_dequant=mode)  # type: ignore[arg-type]
+    grown = _rss_bytes() - before
+    runner = make_runner(model, config, num_blocks=64, block_size=16)
+    prompt = list(range(5, 37))
+    runner_greedy(runner, prompt, 2, list(range(1, 8)))  # warm-up
+    start = time.perf_counter()
+    runner_greedy(runner, prompt, num_tokens, list(range(1, 8)))
+    tok_s = num_tokens / (time.perf_counter() - start)
+    weights = model.weight_bytes()
+    del model, runner
+    return weights, grown, tok_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="tiny")
+    parser.add_argument("--tokens", type=int, default=16)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; shape {args.shape} {SHAPES[args.shape]}; "
+          f"batch 1, {args.tokens} tokens\n")
+    print("| format | mode | weights MiB | RSS growth at load MiB | decode tok/s |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        dense = write_tiny_checkpoint(root / "dense", "qwen3", **SHAPES[args.shape])  # type: ignore[arg-type]
+        w, grown, tok_s = _measure(dense, "load", args.tokens)
+        print(f"| dense fp32 | - | {w / 2**20:.1f} | {grown / 2**20:.1f} | {tok_s:.0f} |", flush=True)
+        for i, (name, (quantizer, config)) in enumerate(FORMATS.items()):
+            out = root / f"q{i}"
+            qc.quantize_checkpoint(dense, out, root / f"twin{i}", quantizer, config)
+            for mode in ("load", "per-product"):
+                w, grown, tok_s = _measure(out, mode, args.tokens)
+                print(f"| {name} | {mode} | {w / 2**20:.1f} | {grown / 2**20:.1f} | {tok_s:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
