@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -50,3 +52,13 @@ class Followed:
     @property
     def output(self) -> str:
         return "".join(self.lines)
+
+
+def stop_stack(followed: Followed) -> None:
+    """Ctrl-C the whole ``llmgw up`` process group; kill it if it does not stop within 60 s."""
+    os.killpg(followed.proc.pid, signal.SIGINT)
+    try:
+        followed.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        followed.proc.kill()
+        raise

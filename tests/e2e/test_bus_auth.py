@@ -13,8 +13,6 @@ import contextlib
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -30,7 +28,7 @@ from proto import ApiKeyRow, encode_json, subjects
 from services.common.nats_auth import url_with_credentials
 from services.gateway import identity_signing
 from services.gateway.identity import key_digest
-from tests.e2e.procs import Followed
+from tests.e2e.procs import Followed, stop_stack
 
 MODEL_ID = "tiny"
 
@@ -66,12 +64,7 @@ def up(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[U
         key = followed.line_with("API key: ").split("API key: ", 1)[1].split()[0]
         yield UpStack(followed, data, gateway_url, nats_url, key)
     finally:
-        os.killpg(followed.proc.pid, signal.SIGINT)
-        try:
-            followed.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            followed.proc.kill()
-            raise
+        stop_stack(followed)
 
 
 def chat(up: UpStack, key: str) -> str:

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from services.cli.stack import _banner
-from tests.e2e.procs import REPO, Followed
+from tests.e2e.procs import REPO, Followed, stop_stack
 
 MODEL_ID = "tiny"
 
@@ -29,15 +29,6 @@ def _up(model: Path, data: Path) -> list[str]:
             "--port", "0", "--data-dir", str(data)]
 
 
-def _stop(followed: Followed) -> None:
-    os.killpg(followed.proc.pid, signal.SIGINT)
-    try:
-        followed.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        followed.proc.kill()
-        raise
-
-
 @pytest.fixture(scope="module")
 def running(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Followed, Path, str, str]]:
     data = tmp_path_factory.mktemp("operator") / "data"
@@ -48,7 +39,7 @@ def running(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         key = followed.line_with("API key: ").split("API key: ", 1)[1].split()[0]
         yield followed, data, url, key
     finally:
-        _stop(followed)
+        stop_stack(followed)
 
 
 def _chat(url: str, key: str) -> str | None:

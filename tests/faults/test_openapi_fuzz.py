@@ -9,12 +9,10 @@ under 3 minutes on 2 cores (EXAMPLES per operation and mode; measured in docs/re
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,7 @@ from services.engine.serve.energy import UnavailableMeter
 from services.engine.serve.http import EngineService, ServeConfig, http_site
 from services.gateway import openapi as gateway_openapi
 from tests.faults.fuzz import is_openai_error
-from tests.faults.threaded import ThreadedGateway, threaded_gateway
+from tests.faults.threaded import ThreadedGateway, in_thread, threaded_gateway
 
 EXAMPLES = 25  # per operation and generation mode
 ENGINE_KEY = "sk-engine-fuzz"
@@ -44,38 +42,18 @@ SEEN: dict[str, dict[str, int]] = {}
 @contextlib.contextmanager
 def threaded_engine(model: Path) -> Iterator[str]:
     """ninfer-serve's HTTP face (in-process core) on its own loop in a thread, with an API key."""
-    loop = asyncio.new_event_loop()
-    ready: dict[str, Any] = {}
-    started = threading.Event()
-    stop = asyncio.Event()
+    @contextlib.asynccontextmanager
+    async def serve() -> AsyncIterator[str]:
+        core = EngineCore(EngineConfig(model_path=model, model_id="tiny", kv_capacity_tokens=1024,
+                                       max_context=128, max_concurrency=2, max_pending_requests=4))
+        async with AsyncEngine(core) as engine:
+            service = EngineService(engine, UnavailableMeter("cpu", "test"),
+                                    ServeConfig(port=0, api_key=ENGINE_KEY, max_body_bytes=64 * 1024))
+            async with http_site(service) as url:
+                yield url
 
-    async def main() -> None:
-        try:
-            core = EngineCore(EngineConfig(model_path=model, model_id="tiny", kv_capacity_tokens=1024,
-                                           max_context=128, max_concurrency=2, max_pending_requests=4))
-            async with AsyncEngine(core) as engine:
-                service = EngineService(engine, UnavailableMeter("cpu", "test"),
-                                        ServeConfig(port=0, api_key=ENGINE_KEY, max_body_bytes=64 * 1024))
-                async with http_site(service) as url:
-                    ready["url"] = url
-                    started.set()
-                    await stop.wait()
-        except BaseException as exc:
-            ready["error"] = exc
-            started.set()
-            raise
-
-    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
-    thread.start()
-    assert started.wait(120), "engine thread did not start"
-    if "error" in ready:
-        raise ready["error"]
-    try:
-        yield ready["url"]
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
-        loop.close()
+    with in_thread(serve, "engine", start_timeout_s=120) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

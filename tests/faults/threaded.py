@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -78,8 +78,14 @@ async def _accounting(nats_url: str, tmp: Path) -> AsyncIterator[str]:
         await nc.close()
 
 
+T = TypeVar("T")
+
+
 @contextlib.contextmanager
-def threaded_gateway(tmp: Path, with_accounting: bool = False, **config: Any) -> Iterator[ThreadedGateway]:
+def in_thread(serve: Callable[[], contextlib.AbstractAsyncContextManager[T]], what: str,
+              start_timeout_s: float = 60.0) -> Iterator[T]:
+    """Enter ``serve()`` on its own event loop in a daemon thread (so a test's synchronous client can call
+    it), yield what it yields, and leave it when the test is done. A failure to start is raised here."""
     ready: dict[str, Any] = {}
     started = threading.Event()
     loop = asyncio.new_event_loop()
@@ -87,13 +93,8 @@ def threaded_gateway(tmp: Path, with_accounting: bool = False, **config: Any) ->
 
     async def main() -> None:
         try:
-            async with contextlib.AsyncExitStack() as es:
-                server = await es.enter_async_context(EmbeddedNatsServer(tmp / "nats"))
-                member_url = await es.enter_async_context(serving(member_app(), "127.0.0.1", 0))
-                raw = {"model_pools": {"m": {"members": [{"model_id": "m", "backend": member_url}]}}}
-                gw = await es.enter_async_context(gateway_in_process(server.url, tmp / "gw", raw, **config))
-                accounting_url = await es.enter_async_context(_accounting(server.url, tmp)) if with_accounting else None
-                ready["tg"] = ThreadedGateway(gw.url, gw, loop, server.url, accounting_url)
+            async with serve() as value:
+                ready["value"] = value
                 started.set()
                 await stop.wait()
         except BaseException as exc:
@@ -103,12 +104,28 @@ def threaded_gateway(tmp: Path, with_accounting: bool = False, **config: Any) ->
 
     thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
     thread.start()
-    assert started.wait(60), "gateway thread did not start"
+    assert started.wait(start_timeout_s), f"{what} thread did not start"
     if "error" in ready:
         raise ready["error"]
     try:
-        yield ready["tg"]
+        yield ready["value"]
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(30)
         loop.close()
+
+
+@contextlib.contextmanager
+def threaded_gateway(tmp: Path, with_accounting: bool = False, **config: Any) -> Iterator[ThreadedGateway]:
+    @contextlib.asynccontextmanager
+    async def serve() -> AsyncIterator[ThreadedGateway]:
+        async with contextlib.AsyncExitStack() as es:
+            server = await es.enter_async_context(EmbeddedNatsServer(tmp / "nats"))
+            member_url = await es.enter_async_context(serving(member_app(), "127.0.0.1", 0))
+            raw = {"model_pools": {"m": {"members": [{"model_id": "m", "backend": member_url}]}}}
+            gw = await es.enter_async_context(gateway_in_process(server.url, tmp / "gw", raw, **config))
+            accounting_url = await es.enter_async_context(_accounting(server.url, tmp)) if with_accounting else None
+            yield ThreadedGateway(gw.url, gw, asyncio.get_running_loop(), server.url, accounting_url)
+
+    with in_thread(serve, "gateway") as tg:
+        yield tg
