@@ -11,9 +11,9 @@ The subjects are the real ones of :mod:`proto.subjects` and of the services that
 ========== ============================================== ===================================================
 role       publishes                                      subscribes
 ========== ============================================== ===================================================
-gateway    gen/cancel to engines, usage, quota, config,   heartbeats, auth.check, config, quota,
+gateway    gen/cancel/embed to engines, usage, quota,    heartbeats, auth.check, config, quota,
            accounting requests, the identity bucket       the identity bucket
-engine     heartbeats, energy, the workers bucket,        its request and cancel subjects
+engine     heartbeats, energy, the workers bucket,        its request, cancel and embed subjects
            its streamed answers (inboxes)
 telemetry  heartbeats and energy for the members it        config changes
            scrapes, the workers bucket
@@ -64,7 +64,8 @@ _COMMON_SUB = ["_INBOX.>"]
 
 PERMISSIONS: dict[str, dict[str, Any]] = {
     "gateway": {
-        "publish": {"allow": [f"{_P}.gen.*", f"{_P}.cancel.*", subjects.USAGE_SUBJECTS, subjects.QUOTA_ALL,
+        "publish": {"allow": [f"{_P}.gen.*", f"{_P}.cancel.*", f"{_P}.embed.*", subjects.USAGE_SUBJECTS,
+                              subjects.QUOTA_ALL,
                               subjects.CONFIG_CHANGED, f"{_P}.accounting.>", f"$KV.{subjects.KV_IDENTITY}.>",
                               "$JS.ACK.>", "$JS.FC.>", *_COMMON_PUB]},
         "subscribe": {"allow": [subjects.HEARTBEAT_ALL, subjects.AUTH_CHECK, subjects.CONFIG_CHANGED,
@@ -73,7 +74,8 @@ PERMISSIONS: dict[str, dict[str, Any]] = {
     "engine": {
         "publish": {"allow": [subjects.HEARTBEAT_ALL, subjects.ENERGY_SUBJECTS, _WORKERS_KV, *_COMMON_PUB],
                     "deny": IDENTITY_DENY},
-        "subscribe": {"allow": [f"{_P}.gen.*", f"{_P}.cancel.*", *_COMMON_SUB], "deny": IDENTITY_DENY},
+        "subscribe": {"allow": [f"{_P}.gen.*", f"{_P}.cancel.*", f"{_P}.embed.*", *_COMMON_SUB],
+                      "deny": IDENTITY_DENY},
     },
     "telemetry": {
         "publish": {"allow": [subjects.HEARTBEAT_ALL, subjects.ENERGY_SUBJECTS, _WORKERS_KV, *_COMMON_PUB],
