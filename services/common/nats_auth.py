@@ -12,7 +12,8 @@ The subjects are the real ones of :mod:`proto.subjects` and of the services that
 role       publishes                                      subscribes
 ========== ============================================== ===================================================
 gateway    gen/cancel/embed to engines, usage, quota,    heartbeats, auth.check, config, quota,
-           accounting requests, the identity bucket       the identity bucket
+           config, accounting requests, the identity      the identity bucket
+           bucket
 engine     heartbeats, energy, the workers bucket,        its request, cancel and embed subjects
            its streamed answers (inboxes)
 telemetry  heartbeats and energy for the members it        config changes
