@@ -190,9 +190,9 @@ def _tool_choice(body: dict[str, Any], tools: list[Tool]) -> tuple[str, str | No
         if raw not in ("none", "auto", "required"):
             raise InvalidRequest("'tool_choice' must be none, auto, required or "
                                  '{"type": "function", "function": {"name": ...}}', "tool_choice")
-        if raw != "none" and not tools:
+        if raw == "required" and not tools:  # "auto" without tools is "none" (clients send it by default)
             raise InvalidRequest(f"'tool_choice' {raw!r} is only allowed when 'tools' are given", "tool_choice")
-        return raw, None
+        return (raw if tools else "none"), None
     fn = raw.get("function") if isinstance(raw, dict) else None
     if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(fn, dict) \
             or not isinstance(fn.get("name"), str):
