@@ -128,6 +128,9 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    # a schema xgrammar cannot compile, found when the forced call's grammar is built
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
      "messages[0].tool_calls[0]"),
