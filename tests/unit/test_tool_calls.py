@@ -70,3 +70,84 @@ def test_streamed_in_any_split_gives_the_same_pieces_and_never_markup_as_content
         assert [p for p in pieces if isinstance(p, ParsedCall)] == whole_calls
         if whole_calls:
             assert "<tool_call>" not in content and "</tool_call>" not in content
+
+
+# ---- the request side: parse_request's fields and the forced call's grammar --------------------------------
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "d",
+                                         "parameters": {"type": "object", "properties": {"city": {"enum": ["A", "B"]}},
+                                                        "required": ["city"]}}}
+OTHER = {"type": "function", "function": {"name": "noop"}}
+
+
+def _chat(**extra: object) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def test_parse_request_carries_tools_choice_and_turns() -> None:
+    from services.common.openai_api import parse_request
+
+    g = parse_request(_chat(tools=[TOOL, OTHER], tool_choice={"type": "function", "function": {"name": "noop"}},
+                            parallel_tool_calls=False), "chat.completions").generate
+    assert [t.name for t in g.tools] == ["get_weather", "noop"] and g.tools[1].parameters == (
+        '{"type": "object", "properties": {}}')
+    assert (g.tool_choice, g.tool_choice_name, g.parallel_tool_calls) == ("function", "noop", False)
+    assert parse_request(_chat(), "chat.completions").generate.tool_choice == "none"
+    assert parse_request(_chat(tools=[TOOL]), "chat.completions").generate.tool_choice == "auto"
+    turns = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "call_1", "type": "function", "function": {"name": "noop", "arguments": "{}"}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    msgs = parse_request(_chat(messages=turns, tools=[OTHER]), "chat.completions").generate.messages
+    assert msgs is not None and msgs[1].tool_calls[0].name == "noop" and msgs[1].content == ""
+    assert msgs[2].tool_call_id == "call_1"
+
+
+def test_the_answer_body_has_tool_calls_and_finish_reason_tool_calls() -> None:
+    from proto import TokenChunk
+    from services.common.openai_api import completion_body, parse_request
+
+    parsed = parse_request(_chat(tools=[TOOL]), "chat.completions")
+    final = TokenChunk(request_id="r", index=1, finish_reason="stop")
+    body = completion_body(parsed, "id", 0, 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "A"}}'
+                           '\n</tool_call>', final, new_call_id=lambda: "call_x")
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"] == {
+        "role": "assistant", "content": "Sure.",
+        "tool_calls": [{"id": "call_x", "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "A"}'}}]}
+    # tool_choice none: the text is plain content, blocks and all
+    none = parse_request(_chat(tools=[TOOL], tool_choice="none"), "chat.completions")
+    text = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    assert completion_body(none, "id", 0, text, final, new_call_id=lambda: "c")["choices"][0]["message"] == {
+        "role": "assistant", "content": text}
+
+
+def test_the_forced_call_grammar_admits_valid_calls_only(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from services.common.openai_api import parse_request
+    from services.engine.model.grammar import GrammarCache
+    from services.engine.model.tokenizer import Tokenizer
+    from services.engine.serve.frontend import tool_structured_output
+    from services.engine.tiny_checkpoint import write_tiny_checkpoint
+
+    tok = Tokenizer.from_dir(write_tiny_checkpoint(tmp_path_factory.mktemp("m") / "tiny", arch="qwen3"))
+    cache = GrammarCache(tok, tok.vocab_size, tok.stop_token_ids)
+    good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "B"}}\n</tool_call>'
+
+    def accepts(choice: object, parallel: bool, text: str) -> bool:
+        req = parse_request(_chat(tools=[TOOL, OTHER], tool_choice=choice, parallel_tool_calls=parallel),
+                            "chat.completions").generate
+        structured = tool_structured_output(req)
+        assert structured is not None
+        matcher = cache.matcher(structured)
+        return all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False)) and \
+            matcher.is_terminated() is False and matcher.accept_token(tok.stop_token_ids[0])
+
+    assert accepts("required", False, good)
+    assert not accepts("required", False, good.replace('"B"', '"C"'))  # not in the enum
+    assert not accepts("required", False, good + "\n" + good)  # one call only
+    assert accepts("required", True, good + "\n" + good)
+    assert not accepts({"type": "function", "function": {"name": "noop"}}, True, good)  # the named one only
+    assert accepts({"type": "function", "function": {"name": "noop"}}, True,
+                   '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>')
+    assert tool_structured_output(parse_request(_chat(tools=[TOOL]), "chat.completions").generate) is None  # auto
