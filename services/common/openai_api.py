@@ -489,11 +489,18 @@ def tool_call_body(call: ParsedCall, call_id: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
+def tool_call_start_delta(name: str, index: int, call_id: str) -> dict[str, Any]:
+    """A call's first delta as OpenAI streams it: index, id, type, name and ``arguments: ""``."""
+    return {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+
+
+def tool_call_arguments_delta(text: str, index: int) -> dict[str, Any]:
+    return {"index": index, "function": {"arguments": text}}
+
+
 def tool_call_deltas(call: ParsedCall, index: int, call_id: str) -> list[dict[str, Any]]:
-    """A call as OpenAI streams it: a first delta with index, id, type, name and ``arguments: ""``, then
-    the arguments."""
-    first = {"index": index, "id": call_id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-    return [first, {"index": index, "function": {"arguments": call.arguments}}]
+    """A whole call as OpenAI streams one: the first delta, then the arguments."""
+    return [tool_call_start_delta(call.name, index, call_id), tool_call_arguments_delta(call.arguments, index)]
 
 
 def reply_finish_reason(parsed: ParsedRequest, final: TokenChunk, num_tool_calls: int) -> str | None:

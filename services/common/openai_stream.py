@@ -17,7 +17,7 @@ from aiohttp import web
 from proto import TokenChunk, TokenLogprob, Usage
 from services.common import openai_api
 from services.common.http import HTTPError
-from services.common.tool_calls import ParsedCall, ToolCallParser
+from services.common.tool_calls import ArgumentsPiece, CallStart, ParsedCall, ToolCallParser
 
 _json = msgspec.json.Encoder()
 
@@ -101,7 +101,7 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
     if parsed.endpoint == "chat.completions":
         await response.write(event(openai_api.stream_chunk(parsed, rid, created, role=True, text="")))
     # with tools: the text goes through the <tool_call> parser; calls go out as delta.tool_calls events
-    parser = (ToolCallParser(parallel_tool_calls=parsed.generate.parallel_tool_calls)
+    parser = (ToolCallParser(parallel_tool_calls=parsed.generate.parallel_tool_calls, incremental=True)
               if parsed.parses_tool_calls else None)
     num_calls = 0
     try:
@@ -114,7 +114,7 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
             if parser is not None:
                 text = ""
                 for piece in parser.push(chunk.text) + (parser.finish() if chunk.is_final else []):
-                    if not isinstance(piece, ParsedCall):
+                    if isinstance(piece, str):
                         text += piece
                         continue
                     if ttft_ms is None:
@@ -122,10 +122,17 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
                     if text:  # content before the call goes out first, in order
                         await response.write(event(openai_api.stream_chunk(parsed, rid, created, text=text)))
                         text = ""
-                    for delta in openai_api.tool_call_deltas(piece, num_calls, new_call_id()):
+                    if isinstance(piece, ParsedCall):
+                        deltas = openai_api.tool_call_deltas(piece, num_calls, new_call_id())
+                    elif isinstance(piece, CallStart):
+                        deltas = [openai_api.tool_call_start_delta(piece.name, num_calls, new_call_id())]
+                    else:
+                        deltas = [openai_api.tool_call_arguments_delta(piece.text, num_calls - 1)]
+                    for delta in deltas:
                         await response.write(event(openai_api.stream_chunk(parsed, rid, created,
                                                                            tool_calls=[delta])))
-                    num_calls += 1
+                    if not isinstance(piece, ArgumentsPiece):
+                        num_calls += 1
             if text or logprobs is not None:  # a token without text yet (part of a character) has logprobs
                 if ttft_ms is None and text:
                     ttft_ms = (time.monotonic() - started) * 1000.0

@@ -78,7 +78,7 @@ async def streamed_equals_whole(c: openai.AsyncOpenAI) -> None:
         assert whole.choices[0].message.tool_calls is not None
         expected = [check_call(t) for t in whole.choices[0].message.tool_calls]
         calls: dict[int, dict[str, Any]] = {}
-        content, finish = "", None
+        content, finish, num_argument_deltas = "", None, 0
         stream = await c.chat.completions.create(**kwargs, stream=True)
         async for chunk in stream:
             if not chunk.choices:
@@ -93,8 +93,10 @@ async def streamed_equals_whole(c: openai.AsyncOpenAI) -> None:
                     calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
                 else:
                     assert d.id is None
+                    num_argument_deltas += 1
                 calls[d.index]["arguments"] += (d.function.arguments or "") if d.function else ""
         assert finish == "tool_calls" and content == ""  # no <tool_call> markup leaks into the content
+        assert num_argument_deltas > len(calls)  # the arguments came piece by piece as they were generated
         assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == expected
 
 

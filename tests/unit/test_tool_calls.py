@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.common.tool_calls import ParsedCall, ToolCallParser, parse_tool_calls
+from services.common.tool_calls import CallStart, ParsedCall, ToolCallParser, parse_tool_calls
 
 TWO_CALLS = (
     "Let me check both cities.\n"
@@ -27,7 +27,7 @@ def test_text_after_a_call_is_content_and_only_calls_is_none() -> None:
     content, calls = parse_tool_calls('<tool_call>{"name":"f","arguments":{}}</tool_call>\nDone.')
     assert content == "Done." and calls == [ParsedCall("f", "{}")]
     assert parse_tool_calls('<tool_call>{"name":"f","arguments":{"a":1}}</tool_call>\n') == (
-        None, [ParsedCall("f", '{"a": 1}')])
+        None, [ParsedCall("f", '{"a":1}')])
 
 
 def test_no_blocks_is_plain_content() -> None:
@@ -56,20 +56,50 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
         ParsedCall("get_weather", '{"city": "Paris", "unit": "celsius"}')]
 
 
+def _streamed(text: str, size: int, **kw: bool) -> tuple[str, list[ParsedCall], int]:
+    """Push ``text`` in pieces of ``size`` into an incremental parser; the content, the calls reassembled
+    from their starts and argument pieces (as a client does), and how many argument pieces came."""
+    parser = ToolCallParser(incremental=True, **kw)
+    pieces = []
+    for i in range(0, len(text), size):
+        pieces += parser.push(text[i:i + size])
+    pieces += parser.finish()
+    content, calls, num_args = "", [], 0
+    for p in pieces:
+        if isinstance(p, str):
+            content += p
+        elif isinstance(p, ParsedCall):
+            calls.append(p)
+        elif isinstance(p, CallStart):
+            calls.append(ParsedCall(p.name, ""))
+        else:
+            num_args += 1
+            calls[-1] = ParsedCall(calls[-1].name, calls[-1].arguments + p.text)
+    return content, calls, num_args
+
+
+STREAMED = [TWO_CALLS, 'x <tool_call>{"name":"f","arguments":{}}</tool_call> y', "plain <tool text",
+            '<tool_call>\n{"arguments": {"k": [1, {"z": "}"}]}, "name": "g"}\n</tool_call>',  # other key order
+            '<tool_call>{"name": "n", "arguments": {"v": 1.50, "w": {"in": "}"} } }\n</tool_call>']
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 64])
-def test_streamed_in_any_split_gives_the_same_pieces_and_never_markup_as_content(size: int) -> None:
-    for text in (TWO_CALLS, 'x <tool_call>{"name":"f","arguments":{}}</tool_call> y', "plain <tool text"):
-        parser = ToolCallParser()
-        pieces = []
-        for i in range(0, len(text), size):
-            pieces += parser.push(text[i:i + size])
-        pieces += parser.finish()
-        content = "".join(p for p in pieces if isinstance(p, str))
+def test_streamed_in_any_split_gives_the_same_calls_and_never_markup_as_content(size: int) -> None:
+    for text in STREAMED:
+        content, calls, _ = _streamed(text, size)
         whole_content, whole_calls = parse_tool_calls(text)
-        assert content == (whole_content or "")
-        assert [p for p in pieces if isinstance(p, ParsedCall)] == whole_calls
+        assert content == (whole_content or "") and calls == whole_calls, text
         if whole_calls:
             assert "<tool_call>" not in content and "</tool_call>" not in content
+
+
+def test_arguments_stream_as_they_grow_and_keep_the_models_spelling() -> None:
+    _content, calls, num_args = _streamed(TWO_CALLS, 2)
+    assert num_args > 5 and len(calls) == 2  # piece by piece, not one piece per call
+    text = STREAMED[-1]
+    assert parse_tool_calls(text)[1] == [ParsedCall("n", '{"v": 1.50, "w": {"in": "}"} }')]
+    assert _streamed(TWO_CALLS, 3, parallel_tool_calls=False)[1] == parse_tool_calls(
+        TWO_CALLS, parallel_tool_calls=False)[1]
 
 
 # ---- the request side: parse_request's fields and the forced call's grammar --------------------------------
