@@ -113,6 +113,12 @@ async def round_trip(c: openai.AsyncOpenAI) -> None:
                                              temperature=0.0)
     assert answer.choices[0].finish_reason in ("stop", "length")
     assert answer.choices[0].message.tool_calls is None
+    # the same history streamed: the same greedy answer, as content deltas
+    stream = await c.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=8,
+                                             temperature=0.0, stream=True)
+    chunks = [ch async for ch in stream if ch.choices]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == (answer.choices[0].message.content or "")
+    assert all(ch.choices[0].delta.tool_calls is None for ch in chunks)
     without = await c.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=1)
     # the call and its result reached the prompt
     assert answer.usage is not None and without.usage is not None
