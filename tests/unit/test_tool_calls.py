@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
+from proto import ChatMessage, GenerateRequest, Tool, ToolCall, decode, encode
+from proto.base import Message
 from services.common.tool_calls import CallStart, ParsedCall, ToolCallParser, parse_tool_calls
 
 TWO_CALLS = (
@@ -181,3 +184,33 @@ def test_the_forced_call_grammar_admits_valid_calls_only(tmp_path_factory: pytes
     assert accepts({"type": "function", "function": {"name": "noop"}}, True,
                    '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>')
     assert tool_structured_output(parse_request(_chat(tools=[TOOL]), "chat.completions").generate) is None  # auto
+
+
+class OldChatMessage(Message, frozen=True):
+    """ChatMessage before the tool fields."""
+
+    role: str
+    content: str = ""
+    name: str | None = None
+
+
+class OldRequest(Message, frozen=True):
+    """The start of GenerateRequest, as a reader from before the tool fields sees it."""
+
+    request_id: str
+    model: str
+    messages: list[OldChatMessage] | None = None
+
+
+def test_the_tool_fields_are_appended_so_old_and_new_messages_both_decode() -> None:
+    new = GenerateRequest(request_id="r", model="m", tools=[Tool(name="f")], tool_choice="function",
+                          tool_choice_name="f", parallel_tool_calls=False,
+                          messages=[ChatMessage(role="assistant", tool_calls=[ToolCall(id="c", name="f")]),
+                                    ChatMessage(role="tool", content="1", tool_call_id="c")])
+    old_view = msgspec.msgpack.decode(encode(new), type=OldRequest)  # an old reader ignores them
+    assert old_view.messages is not None and [m.role for m in old_view.messages] == ["assistant", "tool"]
+    assert decode(encode(new), GenerateRequest) == new
+    from_old = decode(msgspec.msgpack.encode(OldRequest(request_id="r", model="m",
+                                                        messages=[OldChatMessage(role="user")])), GenerateRequest)
+    assert (from_old.tools, from_old.tool_choice, from_old.parallel_tool_calls) == ([], "auto", True)
+    assert from_old.messages is not None and from_old.messages[0].tool_calls == []
