@@ -44,6 +44,8 @@ from proto.generate import (
     Timings,
     TokenChunk,
     TokenLogprob,
+    Tool,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -93,6 +95,8 @@ __all__ = [
     "Timings",
     "TokenChunk",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
     "TopLogprob",
     "Usage",
     "UsageRecord",

@@ -20,10 +20,35 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 
+class ToolCall(Message, frozen=True):
+    """A function call an assistant turn made (OpenAI's ``tool_calls[i]``); ``arguments`` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
 class ChatMessage(Message, frozen=True):
     role: str
     content: str = ""
     name: str | None = None
+    # appended for issue #26 (tool calling): an assistant turn's calls, and the call a ``tool`` turn answers
+    tool_calls: list[ToolCall] = []
+    tool_call_id: str | None = None
+
+
+class Tool(Message, frozen=True):
+    """A function the model may call (OpenAI's ``tools[i].function``); ``parameters`` is a JSON schema as
+    JSON text (``{"type": "object", "properties": {}}`` when the client gave none)."""
+
+    name: str
+    description: str | None = None
+    parameters: str = '{"type": "object", "properties": {}}'
+    strict: bool = False
+
+
+# "function": the call must be to ``GenerateRequest.tool_choice_name``
+ToolChoiceMode = Literal["none", "auto", "required", "function"]
 
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
@@ -76,6 +101,12 @@ class GenerateRequest(Message, frozen=True):
     constraint: Constraint | None = None
     min_p: float = 0.0
     logit_bias: dict[int, float] = {}
+    # tool calling (issue #26): the functions offered, whether/which one must be called, and whether a
+    # reply may hold several calls. tool_choice "none" with tools: they are rendered, never parsed.
+    tools: list[Tool] = []
+    tool_choice: ToolChoiceMode = "auto"
+    tool_choice_name: str | None = None
+    parallel_tool_calls: bool = True
 
 
 class Usage(Message, frozen=True):

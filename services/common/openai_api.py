@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from proto import ChatMessage, Constraint, GenerateRequest, Timings, TokenChunk, TokenLogprob, Usage
+from proto import ChatMessage, Constraint, GenerateRequest, Timings, TokenChunk, TokenLogprob, Tool, ToolCall, Usage
+from services.common.tool_calls import ParsedCall, parse_tool_calls
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES = 4
@@ -38,6 +40,12 @@ class ParsedRequest:
     # stream_options.continuous_usage_stats (vLLM's and SGLang's extension): every content chunk of the
     # stream carries the usage so far, so a client (or a gateway) that is cut off knows what it cost
     continuous_usage: bool = False
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """The reply's ``<tool_call>`` blocks become ``tool_calls`` (tools offered, tool_choice not none)."""
+        g = self.generate
+        return self.endpoint == "chat.completions" and bool(g.tools) and g.tool_choice != "none"
 
 
 def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -97,14 +105,103 @@ def _messages(body: dict[str, Any]) -> list[ChatMessage]:
         if not isinstance(role, str) or role not in ROLES:  # a list here was a TypeError (500)
             raise InvalidRequest(f"messages[{i}].role must be one of {sorted(ROLES)}", f"messages[{i}].role")
         name = m.get("name")
+        tool_call_id = m.get("tool_call_id")
+        if role == "tool" and not (isinstance(tool_call_id, str) and tool_call_id):
+            raise InvalidRequest(f"messages[{i}].tool_call_id is required for a tool message (a string)",
+                                 f"messages[{i}].tool_call_id")
         out.append(
             ChatMessage(
                 role=role,
                 content=_content_text(m.get("content"), f"messages[{i}].content"),
                 name=name if isinstance(name, str) else None,
+                tool_calls=_message_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
+                if role == "assistant" else [],
+                tool_call_id=tool_call_id if role == "tool" else None,
             )
         )
     return out
+
+
+def _message_tool_calls(raw: Any, param: str) -> list[ToolCall]:
+    """An assistant turn's ``tool_calls`` as a client sends them back (OpenAI's shape)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise InvalidRequest(f"'{param}' must be an array", param)
+    out = []
+    for j, call in enumerate(raw):
+        where = f"{param}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(fn, dict)
+                or not isinstance(call.get("id"), str) or not isinstance(fn.get("name"), str) or not fn["name"]):
+            raise InvalidRequest(f"'{where}' must be {{\"id\": str, \"type\": \"function\", \"function\": "
+                                 f"{{\"name\": str, \"arguments\": str}}}}", where)
+        arguments = fn.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise InvalidRequest(f"'{where}.function.arguments' must be a string (JSON text)",
+                                 f"{where}.function.arguments")
+        out.append(ToolCall(id=call["id"], name=fn["name"], arguments=arguments))
+    return out
+
+
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+
+
+def _tools(body: dict[str, Any]) -> list[Tool]:
+    raw = body.get("tools")
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise InvalidRequest(f"'tools' must be an array of at most {MAX_TOOLS} tools", "tools")
+    out: list[Tool] = []
+    for i, tool in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise InvalidRequest(f"'{where}' must be an object with \"type\": \"function\"", f"{where}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise InvalidRequest(f"'{where}.function' must be an object", f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            raise InvalidRequest(f"'{where}.function.name' must be 1-64 characters of a-z, A-Z, 0-9, _ and -",
+                                 f"{where}.function.name")
+        if any(t.name == name for t in out):
+            raise InvalidRequest(f"'{where}.function.name' repeats the tool name {name!r}", f"{where}.function.name")
+        description = fn.get("description")
+        if description is not None and not isinstance(description, str):
+            raise InvalidRequest(f"'{where}.function.description' must be a string", f"{where}.function.description")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidRequest(f"'{where}.function.strict' must be a boolean", f"{where}.function.strict")
+        parameters = fn.get("parameters")
+        spec = ('{"type": "object", "properties": {}}' if parameters is None
+                else _spec_text(parameters, f"{where}.function.parameters", json_allowed=True))
+        out.append(Tool(name=name, description=description, parameters=spec, strict=bool(strict)))
+    return out
+
+
+def _tool_choice(body: dict[str, Any], tools: list[Tool]) -> tuple[str, str | None]:
+    """(mode, function name): OpenAI's default is ``auto`` with tools and ``none`` without."""
+    raw = body.get("tool_choice")
+    if raw is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(raw, str):
+        if raw not in ("none", "auto", "required"):
+            raise InvalidRequest("'tool_choice' must be none, auto, required or "
+                                 '{"type": "function", "function": {"name": ...}}', "tool_choice")
+        if raw == "required" and not tools:  # "auto" without tools is "none" (clients send it by default)
+            raise InvalidRequest(f"'tool_choice' {raw!r} is only allowed when 'tools' are given", "tool_choice")
+        return (raw if tools else "none"), None
+    fn = raw.get("function") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(fn, dict) \
+            or not isinstance(fn.get("name"), str):
+        raise InvalidRequest("'tool_choice' must be none, auto, required or "
+                             '{"type": "function", "function": {"name": ...}}', "tool_choice")
+    if not any(t.name == fn["name"] for t in tools):
+        raise InvalidRequest(f"'tool_choice.function.name' {fn['name']!r} is not one of the request's tools",
+                             "tool_choice.function.name")
+    return "function", fn["name"]
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
@@ -235,6 +332,18 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     return out
 
 
+def _tool_fields(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    if endpoint != "chat.completions":
+        return {}
+    tools = _tools(body)
+    mode, name = _tool_choice(body, tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequest("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    return {"tools": tools, "tool_choice": mode, "tool_choice_name": name,
+            "parallel_tool_calls": True if parallel is None else parallel}
+
+
 def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -299,6 +408,7 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         constraint=_constraint(body),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         logit_bias=_logit_bias(body),
+        **_tool_fields(body, endpoint),
     )
     return ParsedRequest(endpoint, model, stream, include_usage, generate, _unsupported(body, endpoint),
                          continuous_usage)
@@ -306,12 +416,12 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
 
 # Parameters that change what a reply must be, each with the test for a value that asks for something:
 # accepting such a request and ignoring the parameter would hand the client a silently wrong answer.
-# (response_format, the guided_* forms, logit_bias and min_p are implemented: issue #26.)
+# (response_format, the guided_* forms, logit_bias, min_p, tools and tool_choice are implemented: issue #26;
+# the legacy ``functions`` / ``function_call`` forms are not.)
 _BOTH: dict[str, Callable[[Any], bool]] = {}
 _CHAT_CHECKS: dict[str, Callable[[Any], bool]] = {
     **_BOTH,
-    "tools": bool, "functions": bool,
-    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": bool,
     "function_call": lambda v: v not in (None, "none"),
     "modalities": lambda v: v is not None and v != ["text"],
     "audio": lambda v: v is not None,
@@ -375,12 +485,49 @@ def logprobs_body(parsed: ParsedRequest, entries: list[TokenLogprob] | None, tex
             "text_offset": offsets}
 
 
+def tool_call_body(call: ParsedCall, call_id: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_start_delta(name: str, index: int, call_id: str) -> dict[str, Any]:
+    """A call's first delta as OpenAI streams it: index, id, type, name and ``arguments: ""``."""
+    return {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+
+
+def tool_call_arguments_delta(text: str, index: int) -> dict[str, Any]:
+    return {"index": index, "function": {"arguments": text}}
+
+
+def tool_call_deltas(call: ParsedCall, index: int, call_id: str) -> list[dict[str, Any]]:
+    """A whole call as OpenAI streams one: the first delta, then the arguments."""
+    return [tool_call_start_delta(call.name, index, call_id), tool_call_arguments_delta(call.arguments, index)]
+
+
+def reply_finish_reason(parsed: ParsedRequest, final: TokenChunk, num_tool_calls: int) -> str | None:
+    """``tool_calls`` for a reply that stopped by itself after making calls (OpenAI's), else the engine's."""
+    if num_tool_calls and final.finish_reason == "stop":
+        return "tool_calls"
+    return final.finish_reason
+
+
 def completion_body(
     parsed: ParsedRequest, response_id: str, created: int, text: str, final: TokenChunk,
-    logprobs: list[TokenLogprob] | None = None,
+    logprobs: list[TokenLogprob] | None = None, new_call_id: Callable[[], str] | None = None,
 ) -> dict[str, Any]:
+    """The JSON answer. With tools (:attr:`ParsedRequest.parses_tool_calls`) the text's ``<tool_call>``
+    blocks become ``message.tool_calls`` (ids from ``new_call_id``) and the rest the content."""
     body: dict[str, Any]
-    if parsed.endpoint == "chat.completions":
+    if parsed.endpoint == "chat.completions" and parsed.parses_tool_calls and new_call_id is not None:
+        content, calls = parse_tool_calls(text, parallel_tool_calls=parsed.generate.parallel_tool_calls)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [tool_call_body(c, new_call_id()) for c in calls]
+        body = {
+            "id": response_id, "object": "chat.completion", "created": created, "model": parsed.model,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs_body(parsed, logprobs),
+                         "finish_reason": reply_finish_reason(parsed, final, len(calls))}],
+        }
+    elif parsed.endpoint == "chat.completions":
         body = {
             "id": response_id,
             "object": "chat.completion",
@@ -434,14 +581,18 @@ def stream_chunk(
     role: bool = False,
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One SSE chunk; ``logprobs`` is a :func:`logprobs_body` for the tokens of this chunk's text."""
+    """One SSE chunk; ``logprobs`` is a :func:`logprobs_body` for the tokens of this chunk's text;
+    ``tool_calls`` are :func:`tool_call_deltas`."""
     if parsed.endpoint == "chat.completions":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:

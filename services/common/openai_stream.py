@@ -7,6 +7,7 @@ local engine), so both speak exactly the same OpenAI dialect.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from aiohttp import web
 from proto import TokenChunk, TokenLogprob, Usage
 from services.common import openai_api
 from services.common.http import HTTPError
+from services.common.tool_calls import ArgumentsPiece, CallStart, ParsedCall, ToolCallParser
 
 _json = msgspec.json.Encoder()
 
@@ -30,6 +32,11 @@ def chunk_error(chunk: TokenChunk) -> HTTPError:
     assert err is not None
     return HTTPError(err.status, err.message, code=err.code, param=err.param, type=err.type,
                      retry_after_s=err.retry_after_s)
+
+
+def new_call_id() -> str:
+    """A tool call's id: ``call_`` and 24 random hex digits (OpenAI's ids have that shape)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def response_id(parsed: openai_api.ParsedRequest, request_id: str) -> str:
@@ -61,7 +68,8 @@ async def _collect(parsed: openai_api.ParsedRequest, request_id: str, chunks: As
             if chunk.error is not None:
                 raise chunk_error(chunk)
             body = openai_api.completion_body(
-                parsed, response_id(parsed, request_id), int(time.time()), "".join(parts), chunk, logprobs
+                parsed, response_id(parsed, request_id), int(time.time()), "".join(parts), chunk, logprobs,
+                new_call_id=new_call_id,
             )
             return web.Response(body=_json.encode(body), content_type="application/json",
                                 headers={"X-Request-Id": request_id})
@@ -92,16 +100,43 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
     tail: list[bytes] = []
     if parsed.endpoint == "chat.completions":
         await response.write(event(openai_api.stream_chunk(parsed, rid, created, role=True, text="")))
+    # with tools: the text goes through the <tool_call> parser; calls go out as delta.tool_calls events
+    parser = (ToolCallParser(parallel_tool_calls=parsed.generate.parallel_tool_calls, incremental=True)
+              if parsed.parses_tool_calls else None)
+    num_calls = 0
     try:
         async for chunk in chunks:
             if chunk.usage is not None and not chunk.is_final:
                 prompt_tokens, cached_tokens = chunk.usage.prompt_tokens, chunk.usage.cached_tokens
             output_tokens += len(chunk.token_ids)
             logprobs = openai_api.logprobs_body(parsed, chunk.logprobs, text_offset) if chunk.logprobs else None
-            if chunk.text or logprobs is not None:  # a token without text yet (part of a character) has logprobs
-                if ttft_ms is None and chunk.text:
+            text = chunk.text
+            if parser is not None:
+                text = ""
+                for piece in parser.push(chunk.text) + (parser.finish() if chunk.is_final else []):
+                    if isinstance(piece, str):
+                        text += piece
+                        continue
+                    if ttft_ms is None:
+                        ttft_ms = (time.monotonic() - started) * 1000.0
+                    if text:  # content before the call goes out first, in order
+                        await response.write(event(openai_api.stream_chunk(parsed, rid, created, text=text)))
+                        text = ""
+                    if isinstance(piece, ParsedCall):
+                        deltas = openai_api.tool_call_deltas(piece, num_calls, new_call_id())
+                    elif isinstance(piece, CallStart):
+                        deltas = [openai_api.tool_call_start_delta(piece.name, num_calls, new_call_id())]
+                    else:
+                        deltas = [openai_api.tool_call_arguments_delta(piece.text, num_calls - 1)]
+                    for delta in deltas:
+                        await response.write(event(openai_api.stream_chunk(parsed, rid, created,
+                                                                           tool_calls=[delta])))
+                    if not isinstance(piece, ArgumentsPiece):
+                        num_calls += 1
+            if text or logprobs is not None:  # a token without text yet (part of a character) has logprobs
+                if ttft_ms is None and text:
                     ttft_ms = (time.monotonic() - started) * 1000.0
-                body = openai_api.stream_chunk(parsed, rid, created, text=chunk.text, logprobs=logprobs)
+                body = openai_api.stream_chunk(parsed, rid, created, text=text, logprobs=logprobs)
                 if parsed.continuous_usage:
                     body["usage"] = openai_api.usage_body(Usage(prompt_tokens=prompt_tokens,
                                                                 completion_tokens=output_tokens,
@@ -117,7 +152,8 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
                 if chunk.error is not None:
                     tail.append(event(_error_event(chunk_error(chunk))))
                 else:
-                    final = openai_api.stream_chunk(parsed, rid, created, finish_reason=chunk.finish_reason)
+                    final = openai_api.stream_chunk(parsed, rid, created, finish_reason=openai_api.reply_finish_reason(
+                        parsed, chunk, num_calls))
                     if chunk.timings is not None:
                         final["timings"] = openai_api.timings_body(chunk.timings)
                     tail.append(event(final))

@@ -21,7 +21,33 @@ MESSAGE = {
             "type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}, {"type": "null"}]},
         "name": {"type": "string"},
+        # an assistant turn's calls, and (required for role tool) the call a tool turn answers
+        "tool_calls": {"type": "array", "items": {"type": "object", "required": ["id", "type", "function"],
+                                                  "properties": {"id": {"type": "string"},
+                                                                 "type": {"const": "function"},
+                                                                 "function": {"type": "object",
+                                                                              "required": ["name", "arguments"],
+                                                                              "properties": {
+                                                                                  "name": {"type": "string"},
+                                                                                  "arguments": {"type": "string"}}}}}},
+        "tool_call_id": {"type": "string"},
     },
+}
+
+TOOLS = {
+    "tools": {"type": "array", "maxItems": 128, "items": {
+        "type": "object", "required": ["type", "function"],
+        "properties": {"type": {"const": "function"}, "function": {
+            "type": "object", "required": ["name"],
+            "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                           "description": {"type": "string"}, "parameters": {"type": "object"},
+                           "strict": {"type": "boolean"}}}}}},
+    "tool_choice": {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "function"],
+        "properties": {"type": {"const": "function"},
+                       "function": {"type": "object", "required": ["name"],
+                                    "properties": {"name": {"type": "string"}}}}}]},
+    "parallel_tool_calls": {"type": "boolean"},
 }
 
 SAMPLING = {
@@ -45,7 +71,7 @@ SAMPLING = {
 
 CHAT = {"type": "object", "required": ["model", "messages"],
         "properties": {"model": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
-                       **SAMPLING, "logprobs": {"type": "boolean"},
+                       **SAMPLING, **TOOLS, "logprobs": {"type": "boolean"},
                        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
 COMPLETION = {"type": "object", "required": ["model", "prompt"],
               "properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, **SAMPLING,

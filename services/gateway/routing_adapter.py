@@ -120,9 +120,14 @@ def _weights(lane: float, queue: float, pressure: float, stale_after_s: float) -
 
 
 def prompt_chars(parsed: openai_api.ParsedRequest) -> int:
-    """The characters of a request's prompt (every message's content, or the completion prompt)."""
-    messages = parsed.generate.messages
-    return sum(len(m.content) for m in messages) if messages else len(parsed.generate.prompt or "")
+    """The characters of a request's prompt (every message's content and tool calls, the tools' names,
+    descriptions and schemas; or the completion prompt)."""
+    g = parsed.generate
+    if not g.messages:
+        return len(g.prompt or "")
+    calls = sum(len(c.name) + len(c.arguments) for m in g.messages for c in m.tool_calls)
+    tools = sum(len(t.name) + len(t.description or "") + len(t.parameters) for t in g.tools)
+    return sum(len(m.content) for m in g.messages) + calls + tools
 
 
 def prompt_tokens_estimate(parsed: openai_api.ParsedRequest) -> int:

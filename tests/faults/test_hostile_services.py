@@ -82,6 +82,7 @@ ENGINE_VALID = {"/v1/chat/completions": {"model": "tiny", "messages": [{"role": 
 ENGINE_FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                  "top_k", "seed", "n", "stop", "stream", "stream_options", "ignore_eos", "logprobs", "top_logprobs",
                  "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "tools",
+                 "tool_choice", "parallel_tool_calls",
                  "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "structured_outputs", "logit_bias", "min_p"]
 ENGINE_GETS = ["/v1/models", "/v1/models/{}", "/health", "/slots", "/usage", "/metrics", "/{}"]

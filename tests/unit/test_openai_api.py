@@ -16,10 +16,11 @@ COMPLETION = {"model": "m", "prompt": "hi"}
 
 @pytest.mark.parametrize(("extra", "unsupported"), [
     ({}, ()),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ("tools",)),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ()),  # implemented (issue #26)
     ({"tools": []}, ()),
     ({"tool_choice": "none"}, ()),
-    ({"tool_choice": "auto"}, ("tool_choice",)),
+    ({"tool_choice": "auto"}, ()),
+    ({"functions": [{"name": "f"}], "function_call": "auto"}, ("functions", "function_call")),  # legacy form
     ({"response_format": {"type": "text"}}, ()),
     ({"response_format": {"type": "json_object"}}, ()),  # implemented (issue #26): constrained decoding
     ({"logit_bias": {}}, ()),

@@ -20,7 +20,9 @@ MAX_LOGPROBS = 20
 # torch.Generator.manual_seed accepts the unsigned 64-bit range.
 _MAX_SEED = 2**64 - 1
 
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# "tool_call" / "tool_calls": a forced tool call (one / one or more ``<tool_call>`` blocks), spec from
+# ``tool_prompt.tool_call_schema``; never on the wire (the engine derives it from the request's tool_choice)
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call", "tool_calls")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -62,6 +62,16 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+def tool_call_grammar(call_schema: str, *, parallel: bool) -> str:
+    """EBNF (root rule ``tool_calls_root``) for ``<tool_call>\n<call JSON>\n</tool_call>`` blocks, one, or
+    one or more separated by a newline when ``parallel``; the call JSON matches ``call_schema``."""
+    schema = json.dumps(bounded_strings_as_patterns(json.loads(call_schema)))
+    call_json = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+    more = ' ("\\n" tool_call_block)*' if parallel else ""
+    return (f"{call_json}\ntool_call_block ::= \"<tool_call>\\n\" root \"\\n</tool_call>\"\n"
+            f"tool_calls_root ::= tool_call_block{more}\n")
+
+
 class GrammarCache:
     """Compiles :class:`StructuredOutput` values for one tokenizer and keeps the results (LRU).
 
@@ -99,7 +109,8 @@ class GrammarCache:
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports bad input as these
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             first_line = _XGRAMMAR_LOG_PREFIX.sub("", first_line)  # "[14:06:34] /project/cpp/x.cc:12: "
-            raise InvalidParameterError("response_format", constraint.kind,
+            field = "tools" if constraint.kind in ("tool_call", "tool_calls") else "response_format"
+            raise InvalidParameterError(field, constraint.kind,
                                         f"cannot be compiled into a grammar: {first_line[:300]}") from None
         self.compile_s_total += time.perf_counter() - start
         self.num_misses += 1
@@ -124,6 +135,9 @@ class GrammarCache:
             return self._compiler.compile_grammar(choice_grammar(c.choices))
         if c.kind == "grammar":
             return self._compiler.compile_grammar(c.spec)
+        if c.kind in ("tool_call", "tool_calls"):  # tool_choice required / named: spec is tool_call_schema's
+            return self._compiler.compile_grammar(tool_call_grammar(c.spec, parallel=c.kind == "tool_calls"),
+                                                  root_rule_name="tool_calls_root")
         raise ValueError(f"unknown constraint kind {c.kind!r}")
 
     def matcher(self, constraint: StructuredOutput) -> xgr.GrammarMatcher:

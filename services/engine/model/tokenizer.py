@@ -26,6 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from services.engine.errors import ChatTemplateError, ModelLoadError
+from services.engine.model.tool_prompt import fold_tools
 
 
 def _byte_level_table() -> dict[str, int]:
@@ -210,6 +211,9 @@ class Tokenizer:
         replayed to the model (the rule Qwen3's own template applies). Assistant turns after the last user
         turn (an agent's tool loop in progress, or a reply being continued) keep theirs.
         ``template_kwargs`` reach the template as variables (e.g. ``enable_thinking=False``).
+        ``tools`` (transformers' shape: ``{"type": "function", "function": {...}}``) reach the template as
+        ``tools``; a template that renders the same with and without them gets them, and the messages'
+        ``tool_calls`` / ``tool`` turns, in the Hermes / Qwen3 form instead (``tool_prompt.py``).
         """
         if self._chat_template is None:
             raise ChatTemplateError("this model has no chat template")
@@ -229,9 +233,16 @@ class Tokenizer:
             "messages": prepared,
             "add_generation_prompt": add_generation_prompt,
         }
-        if tools is not None:
-            variables["tools"] = list(tools)
         try:
+            if tools:
+                with_tools = self._chat_template.render(**variables, tools=list(tools))
+                if with_tools != self._chat_template.render(**variables):
+                    return with_tools
+            # The template ignores tools (or got none): calls and results it cannot write go in as text.
+            source = self.chat_template_source or ""
+            if tools or (any(m.get("tool_calls") or m.get("role") == "tool" for m in prepared)
+                         and "tool_calls" not in source):
+                variables["messages"] = fold_tools(prepared, tools)
             return self._chat_template.render(**variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc

@@ -8,10 +8,11 @@ back as :func:`output_chunk` (errors as :func:`error_info`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from proto import ErrorInfo, GenerateRequest, Timings, TokenChunk, TokenLogprob, TopLogprob, Usage
+from proto import ChatMessage, ErrorInfo, GenerateRequest, Timings, TokenChunk, TokenLogprob, Tool, TopLogprob, Usage
 from services.engine.core.sampling_params import SamplingParams, StructuredOutput
 from services.engine.errors import (
     ContextLengthExceededError,
@@ -21,6 +22,7 @@ from services.engine.errors import (
     QueueFullError,
 )
 from services.engine.model.tokenizer import Tokenizer
+from services.engine.model.tool_prompt import tool_call_schema
 from services.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -42,11 +44,54 @@ class PromptEncoder(Protocol):
     max_context: int
 
 
-def encode_chat(core: PromptEncoder, messages: Sequence[dict[str, str]]) -> list[int]:
+def encode_chat(core: PromptEncoder, messages: Sequence[dict[str, Any]],
+                tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     text = core.tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=True, preserve_thinking=core.config.preserve_thinking
+        list(messages), add_generation_prompt=True, preserve_thinking=core.config.preserve_thinking, tools=tools
     )
     return core.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _json_or_text(text: str) -> Any:
+    """A call's arguments as templates expect them: an object (vLLM parses them too), the text if not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def template_message(m: ChatMessage) -> dict[str, Any]:
+    """One wire message as a chat template reads it (OpenAI's shape; a call's arguments as an object)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def template_tool(t: Tool) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": t.name}
+    if t.description is not None:
+        fn["description"] = t.description
+    fn["parameters"] = json.loads(t.parameters)
+    return {"type": "function", "function": fn}
+
+
+def tool_structured_output(req: GenerateRequest) -> StructuredOutput | None:
+    """The grammar a ``required`` or named ``tool_choice`` imposes (None for auto / none): the reply is
+    ``<tool_call>`` blocks whose JSON names one of the tools (the named one) with arguments matching its
+    ``parameters`` (one block, or one or more with ``parallel_tool_calls``; a named choice is one call)."""
+    if not req.tools or req.tool_choice not in ("required", "function"):
+        return None
+    tools = [t for t in req.tools if req.tool_choice == "required" or t.name == req.tool_choice_name]
+    parallel = req.parallel_tool_calls and req.tool_choice == "required"
+    return StructuredOutput(kind="tool_calls" if parallel else "tool_call",
+                            spec=tool_call_schema([(t.name, t.parameters) for t in tools]), strict=True)
 
 
 def encode_prompt(core: PromptEncoder, prompt: str) -> list[int]:
@@ -78,8 +123,9 @@ def sampling_params(req: GenerateRequest, max_context: int, num_prompt_tokens: i
         stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
         logprobs=req.logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
-        structured=None if (c := req.constraint) is None else StructuredOutput(
-            kind=c.kind, spec=c.spec, strict=c.strict, choices=tuple(c.choices)),
+        # a forced tool call's grammar wins over response_format (that shapes a text answer, and there is none)
+        structured=tool_structured_output(req) or (None if (c := req.constraint) is None else StructuredOutput(
+            kind=c.kind, spec=c.spec, strict=c.strict, choices=tuple(c.choices))),
         min_p=req.min_p, logit_bias=tuple(sorted(req.logit_bias.items())),
     )
 
@@ -87,7 +133,8 @@ def sampling_params(req: GenerateRequest, max_context: int, num_prompt_tokens: i
 def prepare_request(core: PromptEncoder, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
     """Prompt token ids (chat template applied) and sampling params; raises the engine's typed errors."""
     if req.messages is not None:
-        prompt_ids = encode_chat(core, [{"role": m.role, "content": m.content} for m in req.messages])
+        prompt_ids = encode_chat(core, [template_message(m) for m in req.messages],
+                                 [template_tool(t) for t in req.tools] or None)
     else:
         prompt_ids = encode_prompt(core, req.prompt or "")
     return prompt_ids, sampling_params(req, core.max_context, len(prompt_ids))
