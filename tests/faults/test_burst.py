@@ -38,6 +38,7 @@ async def _burst(http: aiohttp.ClientSession, engine_url: str, url: str, auth: d
         if result.texts == 1:
             started.put_nowait(1)
 
+    already_waiting = (await _slots(http, engine_url))["requests_waiting"]  # from before this burst
     tasks = [asyncio.create_task(post(http, url, chat_body(max_tokens, True, f"{tag} {i}"), auth,
                                       on_text=first_text, timeout_s=300)) for i in range(n)]
     refused: list[Result] = []
@@ -45,7 +46,7 @@ async def _burst(http: aiohttp.ClientSession, engine_url: str, url: str, auth: d
         while True:
             await asyncio.sleep(0.05)
             refused = [t.result() for t in tasks if t.done() and t.result().status == 429]
-            waiting = (await _slots(http, engine_url))["requests_waiting"]
+            waiting = (await _slots(http, engine_url))["requests_waiting"] - already_waiting
             if len(refused) + started.qsize() + waiting >= n:
                 break
     return [t for t in tasks if not (t.done() and t.result().status == 429)], refused

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,10 +54,25 @@ class Replicas:
         return [dict(zip(columns, r, strict=True)) for r in rows]
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 @contextlib.asynccontextmanager
 async def replicas(nats_server: EmbeddedNatsServer, model: Path, tmp_path: Path, n: int = 2,
                    key_energy_poll_s: float = 5.0) -> AsyncIterator[Replicas]:
     async with contextlib.AsyncExitStack() as es:
+        # replicas of one fleet share the secret their identity rows are signed with (docs/deploy.md)
+        es.enter_context(_env("LLMGW_FLEET_SECRET", "limits-test-fleet-secret"))
         parts = await start_engine_and_ledger(es, nats_server.url, model, tmp_path, kv_capacity_tokens=8192,
                                               max_concurrency=8, max_pending_requests=64)
         accounting = parts.accounting
