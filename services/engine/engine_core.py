@@ -485,7 +485,7 @@ class EngineCore:
         if self.config.kv_dtype != "fp8" or self.device.type != "cpu":
             return ""
         spec = self.kv_cache.spec
-        gain = spec.dtype.itemsize * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim / spec.bytes_per_token
+        gain = spec.dtype.itemsize / spec.storage_dtype.itemsize
         return (f"; NOTE fp8 KV on the CPU holds {gain:g}x the tokens of {str(spec.dtype).removeprefix('torch.')} "
                 f"in the same memory but decodes without the compiled CPU kernels: about "
                 f"{CPU_FP8_DECODE_SLOWDOWN:g}x slower at concurrency 1 (measured with bench/kv_dtype.py, "
