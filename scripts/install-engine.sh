@@ -254,7 +254,7 @@ if [[ -f "$ENV_FILE" ]]; then
   echo "env file $ENV_FILE exists: kept"
   [[ -z "$NATS_URL_ARG" ]] || echo "   note: --nats ignored; edit NATS_URL in $ENV_FILE yourself"
 else
-  NATS_LINE="# NATS_URL=nats://llmgw:<password>@nats-1.llmgw.internal:4222"
+  NATS_LINE="# NATS_URL=nats://engine:<password>@nats-1.llmgw.internal:4222"
   [[ -z "$NATS_URL_ARG" ]] || NATS_LINE="NATS_URL=$NATS_URL_ARG"
   ENV_TEXT="# ninfer-engine.service environment (mode 0640). Secrets go here, not in the unit.
 # Join the bus as a worker (pools name it bus:$WORKER_ID); unset: HTTP only.

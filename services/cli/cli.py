@@ -7,6 +7,7 @@
     llmgw accounting   usage and energy ledger (DuckDB)
     llmgw sql "SELECT …"   read-only SQL over the ledger
     llmgw admin create-user NAME [--role admin|user]   add a user to the gateway (asks for a password)
+    llmgw bus-permissions [--engine ID ...]   a NATS permissions.conf: one user per role (and per named engine)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ ROLES = {
     "accounting": "services.accounting.__main__",
     "sql": "services.accounting.sql_client",
     "admin": "services.gateway.admin_cli",
+    "bus-permissions": "services.common.nats_auth",
 }
 
 

@@ -35,11 +35,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from proto import subjects
 from services.common import nats_auth
 from services.common.nats_server import EmbeddedNatsServer, NatsServerError, set_parent_death_signal
 from services.common.runtime import (
     atomic_write_text,
     data_dir,
+    default_worker_id,
     read_stack_file,
     run_async_main,
     setup_logging,
@@ -151,6 +153,9 @@ async def _run_stack(args: argparse.Namespace, data: Path, model: Path, model_id
                      credentials: tuple[str, str] | None) -> bool:
     """Start everything, print the banner, supervise; True once the banner (with any credentials) is out."""
     engine_key = _engine_key(data)
+    # one id for the engine across restarts (its ledger rows and bus subjects); the embedded bus lets the engine
+    # user speak for this id only
+    engine_id = subjects.check_id(os.environ.get("LLMGW_WORKER_ID") or default_worker_id("engine").rsplit("-", 1)[0])
     async with contextlib.AsyncExitStack() as stack:
         url = os.environ.get("NATS_URL")
         server: EmbeddedNatsServer | None = None
@@ -159,7 +164,7 @@ async def _run_stack(args: argparse.Namespace, data: Path, model: Path, model_id
         else:
             bus_creds = nats_auth.load_or_create_credentials(data / "nats")
             server = await stack.enter_async_context(
-                EmbeddedNatsServer(data / "nats", authorization=nats_auth.authorization_conf(bus_creds)))
+                EmbeddedNatsServer(data / "nats", authorization=nats_auth.authorization_conf(bus_creds, engine_id)))
             url = server.url
             urls = {role: nats_auth.url_with_credentials(url, role, bus_creds[role]) for role in nats_auth.ROLES}
         base_env = {k: v for k, v in os.environ.items() if k != "NINFER_API_KEY"}
@@ -173,7 +178,8 @@ async def _run_stack(args: argparse.Namespace, data: Path, model: Path, model_id
             Child("accounting", [*py, "services.accounting"], env("accounting")),
             Child("telemetry", [*py, "services.telemetry"], env("telemetry")),
             # its own HTTP port answers only with the internal key (the gateway reaches it over the bus)
-            Child("engine", [*py, "services.engine", str(model), "--model-id", model_id, "--port", "0"],
+            Child("engine", [*py, "services.engine", str(model), "--model-id", model_id, "--port", "0",
+                          "--worker-id", engine_id],
                   env("engine", NINFER_API_KEY=engine_key)),
             Child("gateway", [*py, "services.gateway", "--host", args.host, "--port", str(args.port)], env("gateway")),
         ]

@@ -42,19 +42,36 @@ def stream_configs() -> list[StreamConfig]:
     ]
 
 
+_COMPARED = ("subjects", "retention", "storage", "discard", "duplicate_window", "max_age")
+
+
+def _differs(have: StreamConfig, want: StreamConfig) -> list[str]:
+    """The fields ``want`` sets that the stored stream holds otherwise."""
+    return [f for f in _COMPARED if getattr(have, f) != getattr(want, f)]
+
+
 async def ensure_bus(nc: Client) -> None:
-    """Create the USAGE and ENERGY streams and the workers KV bucket; safe to call from every service."""
+    """Create the USAGE and ENERGY streams and the workers KV bucket when missing; safe to call from every
+    service. A stream that exists with other limits is updated only when they differ, and a service whose
+    bus user may not change a stream's limits (every role but accounting and admin:
+    services/common/nats_auth.py) logs what differs and carries on with the stream as it is."""
     js = nc.jetstream()
     for config in stream_configs():
         assert config.name is not None  # _stream_config always names the stream
         try:
-            await js.stream_info(config.name)
-            await js.update_stream(config)
+            info = await js.stream_info(config.name)
         except NotFoundError:
             try:
                 await js.add_stream(config)
+                continue
             except BadRequestError:  # another service created it in between
+                info = await js.stream_info(config.name)
+        if fields := _differs(info.config, config):
+            try:
                 await js.update_stream(config)
+            except Exception as exc:  # a bus user without STREAM.UPDATE: no reply comes (a timeout)
+                log.warning("stream %s differs in %s from this version's; not updated here (%s): the accounting "
+                            "service or an admin updates it", config.name, ", ".join(fields), type(exc).__name__)
     try:
         await js.key_value(subjects.KV_WORKERS)
     except Exception:

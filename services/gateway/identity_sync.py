@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sqlite3
+import time
 from typing import Any
 
 import msgspec
@@ -99,14 +101,33 @@ class IdentitySync:
         return True
 
     async def claim_bootstrap(self) -> bool:
-        """True for exactly one gateway of a fleet with no users: it creates the first admin."""
+        """True for exactly one gateway of a fleet with no users: it creates the first admin.
+
+        The claim is a signed row like the others: a ``bootstrap`` key that no gateway of this fleet wrote (put
+        there by another bus client to keep the fleet from ever getting an admin) is replaced, not obeyed."""
         if self.kv is None:
             return True
+        claim = identity_signing.sign(self.secret, BOOTSTRAP_KEY, json.dumps(
+            {"gateway_id": self.gateway_id, "claimed_s": time.time()}).encode())
         try:
-            await self.kv.create(BOOTSTRAP_KEY, self.gateway_id.encode())
+            await self.kv.create(BOOTSTRAP_KEY, claim)
             return True
         except KeyWrongLastSequenceError:
+            pass
+        try:
+            held = await self.kv.get(BOOTSTRAP_KEY)
+        except Exception:
+            return False  # deleted in between, or unreadable: let the gateway that took it go on
+        why = identity_signing.check(self.secret, BOOTSTRAP_KEY, held.value or b"")
+        if why is None:
             return False
+        log.warning("the %s key in %s is not signed by this fleet (%s signature): replacing it and creating the "
+                    "first admin here", BOOTSTRAP_KEY, subjects.KV_IDENTITY, why)
+        try:
+            await self.kv.update(BOOTSTRAP_KEY, claim, last=held.revision)
+            return True
+        except KeyWrongLastSequenceError:
+            return False  # another gateway replaced it first
 
     async def _pull_all(self) -> None:
         """Apply every row in the bucket, then offer ours that it lacks or holds older.

@@ -148,13 +148,66 @@ def test_only_the_gateway_may_write_or_read_the_identity_bucket(up: UpStack, rol
                 errors.append(str(exc))
 
             nc = await nats.connect(up.url_as(role), error_cb=on_error, allow_reconnect=False)
-            await nc.publish(subjects.heartbeat("probe"), b"")
+            await nc.publish(subjects.heartbeat(engine_id(up) if role == "engine" else "probe"), b"")
             await nc.flush()
             await asyncio.sleep(0.2)
             await nc.close()
 
         run(heartbeat())
         assert errors == []
+
+
+def engine_id(up: UpStack) -> str:
+    """The stack's engine's bus worker id, from its start line."""
+    return up.followed.line_with("bus worker ").split("bus worker ", 1)[1].split()[0].rstrip(";,")
+
+
+@pytest.mark.slow
+def test_an_engine_user_speaks_only_for_its_own_engine_and_cannot_empty_the_ledger(up: UpStack) -> None:
+    """The stack's engine user may heartbeat for its own engine id only, take only its own requests, and no
+    role but admin may purge or delete a stream or loosen its limits (what the old wildcard engine user could)."""
+    own = engine_id(up)
+    errors: list[str] = []
+
+    async def attempt() -> dict[str, bool]:
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        nc = await nats.connect(up.url_as("engine"), error_cb=on_error, allow_reconnect=False)
+        js = nc.jetstream(timeout=3)
+        refused: dict[str, bool] = {}
+        try:
+            await nc.publish(subjects.heartbeat("someone-else"), b"")
+            await nc.publish(subjects.energy("someone-else"), b"")
+            await nc.publish(f"$KV.{subjects.KV_WORKERS}.someone-else", b"")
+            await nc.subscribe(subjects.gen("someone-else"))
+            await nc.flush()
+            await asyncio.sleep(0.3)
+            for name, call in (("purge", lambda: js.purge_stream(subjects.STREAM_USAGE)),
+                               ("delete", lambda: js.delete_stream(subjects.STREAM_ENERGY)),
+                               ("loosen", lambda: js.update_stream(name=subjects.STREAM_USAGE,
+                                                                     subjects=[subjects.USAGE_SUBJECTS], max_age=1.0))):
+                try:
+                    await call()
+                    refused[name] = False
+                except Exception:
+                    refused[name] = True
+        finally:
+            await nc.close()
+        async with await_admin(up) as admin:  # the ledger's stream is as it was
+            info = await admin.jetstream().stream_info(subjects.STREAM_USAGE)
+            refused["limits kept"] = info.config.max_age == 30 * 24 * 3600.0
+            await admin.jetstream().stream_info(subjects.STREAM_ENERGY)  # still there
+        return refused
+
+    refused = run(attempt())
+    assert all(refused.values()), refused
+    text = " ".join(errors).lower()  # nats-py lowercases the server's -ERR text
+    for subject in (subjects.heartbeat("someone-else"), subjects.energy("someone-else"),
+                    f"$KV.{subjects.KV_WORKERS}.someone-else"):
+        assert f'publish to "{subject.lower()}"' in text, errors
+    assert f'subscription to "{subjects.gen("someone-else")}"' in text, errors
+    assert own != "someone-else" and chat(up, up.key) in ("stop", "length")  # its own engine still serves
 
 
 @contextlib.asynccontextmanager

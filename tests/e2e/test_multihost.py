@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common import nats_auth
 from services.common.nats_server import find_binary
 from tests.e2e.procs import Followed
 
@@ -221,8 +222,9 @@ def test_the_three_node_cluster_configs_form_one_jetstream_cluster(tmp_path: Pat
     that find each other by name form one cluster with a JetStream meta leader."""
     names = {f"nats-{i}": i for i in (1, 2, 3)}
     hosts_file = "127.0.0.1 localhost\n" + "".join(f"{SUBNET}.{i} nats-{i}.llmgw.internal\n" for i in names.values())
-    env = {**os.environ, "NATS_CLIENT_PASSWORD": "test-client", "NATS_ADMIN_PASSWORD": "test-admin"}
+    env = {**os.environ, **{nats_auth.password_variable(r): f"test-{r}" for r in nats_auth.ROLES}}
     repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "permissions.conf").write_text((repo / "deploy" / "nats" / "permissions.conf").read_text())
     procs: list[Followed] = []
     with _lab(names) as lab:
         try:

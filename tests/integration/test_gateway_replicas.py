@@ -118,3 +118,20 @@ async def test_a_change_made_with_llmgw_admin_reaches_the_running_gateways(  # t
         shell.close()
         for g in (gw1, gw2):
             await wait_for(lambda g=g: g.identity.key_by_id(key_id).daily_quota == 777, timeout_s=15)  # type: ignore[misc,union-attr]
+
+
+async def test_a_bootstrap_claim_no_gateway_of_the_fleet_signed_does_not_keep_the_fleet_without_an_admin(
+        nats_server, nc, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Another bus client puts an unsigned ``bootstrap`` key before any gateway starts (on the old code the
+    first gateway then believed another had made the admin, and nobody ever did); a signed claim is obeyed."""
+    js = nc.jetstream()
+    from nats.js.api import KeyValueConfig
+
+    kv = await js.create_key_value(KeyValueConfig(bucket=subjects.KV_IDENTITY, history=1))
+    await kv.put("bootstrap", b"mallory")
+    async with gateway(nats_server.url, tmp_path / "gw1", "gw1") as gw1:
+        assert gw1.bootstrap is not None and [u.name for u in gw1.identity.users()] == ["admin"]
+        entry = await kv.get("bootstrap")
+        assert b"gw1" in (entry.value or b"")  # the claim is now gw1's, signed
+        async with gateway(nats_server.url, tmp_path / "gw2", "gw2") as gw2:
+            assert gw2.bootstrap is None  # a signed claim is obeyed

@@ -55,3 +55,31 @@ def test_credentials_are_made_once_and_kept_private(tmp_path: Path) -> None:
 def test_credentials_go_into_every_address_of_a_url_list() -> None:
     url = nats_auth.url_with_credentials("nats://a:4222, nats://old:pw@b:4222", "engine", "p@ss/w:rd")
     assert url == "nats://engine:p%40ss%2Fw%3Ard@a:4222,nats://engine:p%40ss%2Fw%3Ard@b:4222"
+
+
+def test_named_engines_get_their_own_users_held_to_their_own_subjects(tmp_path: Path) -> None:
+    """`llmgw bus-permissions --engine gpu-a`: a user engine.gpu-a whose subjects all name gpu-a, accepted by
+    nats-server, which wants its password variable too."""
+    from services.common.nats_auth import main
+
+    out = tmp_path / "permissions.conf"
+    main(["--engine", "gpu-a", "-o", str(out)])
+    assert out.stat().st_mode & 0o077 == 0
+    scoped = nats_auth.engine_permissions("gpu-a")
+    own = [s for s in scoped["publish"]["allow"] + scoped["subscribe"]["allow"] if s.startswith(("llm.v1", "$KV"))]
+    assert own and all(s.endswith(".gpu-a") for s in own), own
+    (tmp_path / "nats.conf").write_text('listen: "127.0.0.1:-1"\ninclude permissions.conf\n')
+    base = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")}
+    everyone = {**base, **{nats_auth.password_variable(r): f"pw-{r}" for r in nats_auth.ROLES}}
+    refused = _check(tmp_path / "nats.conf", everyone)
+    assert refused.returncode != 0 and "NATS_ENGINE_GPU_A_PASSWORD" in refused.stderr
+    ok = _check(tmp_path / "nats.conf", {**everyone, "NATS_ENGINE_GPU_A_PASSWORD": "pw"})
+    assert ok.returncode == 0, ok.stderr
+    assert '"engine.gpu-a"' in out.read_text()
+
+
+def test_no_service_role_may_destroy_a_stream() -> None:
+    for role in ("gateway", "engine", "telemetry", "accounting"):
+        deny = nats_auth.PERMISSIONS[role]["publish"]["deny"]
+        assert {"$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>", "$JS.API.STREAM.MSG.DELETE.>"} <= set(deny), role
+    assert "$JS.API.STREAM.UPDATE.>" not in nats_auth.PERMISSIONS["accounting"]["publish"]["deny"]  # it owns them
