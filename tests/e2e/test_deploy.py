@@ -200,7 +200,7 @@ def test_every_service_joins_the_bus_as_its_own_role_and_nats_loads_the_permissi
     assert nats["entrypoint"] == ["/bin/sh", "/etc/nats/nats-start.sh"]
     assert mounts(nats)["/run/llmgw-bus"] == ("bus-secrets", False)
     # every role's password reaches the server from .env when set (else it is generated: below)
-    assert set(nats["environment"]) == set(ROLE_PASSWORDS)
+    assert set(nats["environment"]) == {*ROLE_PASSWORDS, "LLMGW_ENGINE_WORKER_ID"}
 
 
 def _run_script(script: str, env: dict[str, str], fake: str, tmp_path: Path, *args: str) -> str:
@@ -221,9 +221,10 @@ def test_compose_bus_passwords_are_generated_once_without_an_env_file_and_each_s
         tmp_path: Path) -> None:
     secrets = tmp_path / "bus-secrets"
     secrets.mkdir()
-    env = {"LLMGW_BUS_SECRETS_DIR": str(secrets)}
+    env = {"LLMGW_BUS_SECRETS_DIR": str(secrets), "LLMGW_NATS_ETC": str(REPO / "deploy" / "nats"),
+           "LLMGW_NATS_CONF_DIR": str(tmp_path / "conf")}
     first = _run_script("nats-start.sh", env, "nats-server", tmp_path)
-    assert "ARGS=-c /etc/nats/nats.conf" in first
+    assert f"ARGS=-c {tmp_path / 'conf' / 'nats.conf'}" in first
     passwords = {role: (secrets / role).read_text() for role in nats_auth.ROLES}
     assert all(len(p) == 32 and p.isalnum() for p in passwords.values()) and len(set(passwords.values())) == 5
     assert all(f"{nats_auth.password_variable(r)}={p}" in first for r, p in passwords.items())
@@ -239,6 +240,26 @@ def test_compose_bus_passwords_are_generated_once_without_an_env_file_and_each_s
     elsewhere = _run_script("with-bus-user.sh", {**env, "NATS_URL": "nats://u:p@bus.example:4222"}, "llmgw",
                             tmp_path, "gateway", "gateway")
     assert "NATS_URL=nats://u:p@bus.example:4222" in elsewhere
+
+
+@pytest.mark.parametrize("ids", [None, "my-engine"])
+def test_compose_nats_holds_the_engine_user_to_the_compose_engines_ids(tmp_path: Path, ids: str | None) -> None:
+    """nats-start.sh rewrites the shipped permissions.conf so the engine user's subjects name the compose engines'
+    worker ids (the two profiles' defaults, or LLMGW_ENGINE_WORKER_ID), and the real nats-server accepts it."""
+    (tmp_path / "s").mkdir()
+    env = {"LLMGW_BUS_SECRETS_DIR": str(tmp_path / "s"), "LLMGW_NATS_ETC": str(REPO / "deploy" / "nats"),
+           "LLMGW_NATS_CONF_DIR": str(tmp_path / "conf"), **({"LLMGW_ENGINE_WORKER_ID": ids} if ids else {})}
+    _run_script("nats-start.sh", env, "nats-server", tmp_path)
+    text = (tmp_path / "conf" / "permissions.conf").read_text()
+    engine_line = text.split('user: "engine",', 1)[1].splitlines()[1]
+    want = ["my-engine"] if ids else ["engine-gpu0", "engine-cpu0"]
+    for subject in ("llm.v1.hb", "llm.v1.energy", "llm.v1.gen", "llm.v1.cancel", "llm.v1.embed"):
+        assert f'"{subject}.*"' not in engine_line
+        assert all(f'"{subject}.{i}"' in engine_line for i in want), engine_line
+    assert '"llm.v1.gen.*"' in text  # the gateway's own wildcards are untouched
+    out = subprocess.run([find_binary(), "-t", "-c", str(tmp_path / "conf" / "nats.conf")], capture_output=True,
+                         text=True, timeout=30, env={**os.environ, **ROLE_PASSWORDS})
+    assert out.returncode == 0, out.stderr
 
 
 def test_state_lives_on_named_volumes_and_only_the_gateway_is_published() -> None:
@@ -272,7 +293,7 @@ def test_state_lives_on_named_volumes_and_only_the_gateway_is_published() -> Non
 def test_nats_runs_the_committed_config_with_jetstream_on_its_volume_and_an_8mb_payload() -> None:
     nats = resolved()["services"]["nats"]
     assert nats["image"].startswith("nats:") and nats["entrypoint"] == ["/bin/sh", "/etc/nats/nats-start.sh"]
-    assert "exec nats-server -c /etc/nats/nats.conf" in (REPO / "deploy" / "compose" / "nats-start.sh").read_text()
+    assert 'exec nats-server -c "$conf/nats.conf"' in (REPO / "deploy" / "compose" / "nats-start.sh").read_text()
     source, read_only = mounts(nats)["/etc/nats/nats.conf"]
     assert Path(source) == REPO / "deploy" / "nats" / "nats.conf" and read_only
     assert mounts(nats)["/data"] == ("nats-data", False)
