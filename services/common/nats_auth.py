@@ -148,13 +148,25 @@ def bcrypt_hash(password: str) -> str:
     return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=BCRYPT_ROUNDS, prefix=b"2a")).decode()
 
 
+def telemetry_permissions(engine_ids: list[str]) -> dict[str, Any]:
+    """Telemetry speaks for the HTTP members it scrapes, under any id, but not for our own engines (named)."""
+    perms = json.loads(json.dumps(PERMISSIONS["telemetry"]))
+    own = [s for e in engine_ids for s in (subjects.heartbeat(e), subjects.energy(e), f"$KV.{subjects.KV_WORKERS}.{e}")]
+    perms["publish"]["deny"] = [*perms["publish"]["deny"], *own]
+    return perms
+
+
 def authorization_conf(creds: dict[str, str], engine_id: str | None = None) -> str:
     """The server config's ``authorization`` block: each role's user, bcrypt hash and permissions (JSON is a
     subset of the NATS config syntax, so the permission maps are written with json.dumps). With
-    ``engine_id`` (``llmgw up`` names its engine), the ``engine`` user may use that engine's subjects only."""
+    ``engine_id`` (``llmgw up`` names its engine), the ``engine`` user may use that engine's subjects only,
+    and the ``telemetry`` user may not speak for it."""
+    perms = dict(PERMISSIONS)
+    if engine_id is not None:
+        perms |= {"engine": engine_permissions(engine_id), "telemetry": telemetry_permissions([engine_id])}
     users = [
         f"    {{ user: {json.dumps(role)}, password: {json.dumps(bcrypt_hash(creds[role]))},\n"
-        f"      permissions: {json.dumps(engine_permissions(engine_id) if role == 'engine' else PERMISSIONS[role])} }}"
+        f"      permissions: {json.dumps(perms[role])} }}"
         for role in ROLES
     ]
     return "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n"

@@ -209,6 +209,21 @@ def test_an_engine_user_speaks_only_for_its_own_engine_and_cannot_empty_the_ledg
     assert f'subscription to "{subjects.gen("someone-else")}"' in text, errors
     assert own != "someone-else" and chat(up, up.key) in ("stop", "length")  # its own engine still serves
 
+    errors.clear()
+
+    async def telemetry_as_the_engine() -> None:  # telemetry speaks for scraped members, not for our engine
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        nc = await nats.connect(up.url_as("telemetry"), error_cb=on_error, allow_reconnect=False)
+        await nc.publish(subjects.heartbeat(own), b"")
+        await nc.flush()
+        await asyncio.sleep(0.3)
+        await nc.close()
+
+    run(telemetry_as_the_engine())
+    assert any(f'publish to "{subjects.heartbeat(own).lower()}"' in e.lower() for e in errors), errors
+
 
 @contextlib.asynccontextmanager
 async def await_admin(up: UpStack) -> AsyncIterator[nats.NATS]:
