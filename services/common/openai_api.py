@@ -106,6 +106,10 @@ def _messages(body: dict[str, Any]) -> list[ChatMessage]:
             raise InvalidRequest(f"messages[{i}].role must be one of {sorted(ROLES)}", f"messages[{i}].role")
         name = m.get("name")
         tool_call_id = m.get("tool_call_id")
+        reasoning = m.get("reasoning_content", m.get("reasoning")) if role == "assistant" else None
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise InvalidRequest(f"messages[{i}].reasoning_content must be a string",
+                                 f"messages[{i}].reasoning_content")
         if role == "tool" and not (isinstance(tool_call_id, str) and tool_call_id):
             raise InvalidRequest(f"messages[{i}].tool_call_id is required for a tool message (a string)",
                                  f"messages[{i}].tool_call_id")
@@ -117,6 +121,7 @@ def _messages(body: dict[str, Any]) -> list[ChatMessage]:
                 tool_calls=_message_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
                 if role == "assistant" else [],
                 tool_call_id=tool_call_id if role == "tool" else None,
+                reasoning=reasoning or None,
             )
         )
     return out
@@ -332,6 +337,27 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     return out
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _reasoning_fields(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    """OpenAI's ``reasoning_effort`` and vLLM's ``chat_template_kwargs`` (chat only)."""
+    if endpoint != "chat.completions":
+        return {}
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    if len(json.dumps(kwargs)) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(f"'chat_template_kwargs' is longer than {MAX_CONSTRAINT_CHARS} characters",
+                             "chat_template_kwargs")
+    return {"reasoning_effort": effort, "chat_template_kwargs": kwargs}
+
+
 def _tool_fields(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
     if endpoint != "chat.completions":
         return {}
@@ -409,6 +435,7 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         logit_bias=_logit_bias(body),
         **_tool_fields(body, endpoint),
+        **_reasoning_fields(body, endpoint),
     )
     return ParsedRequest(endpoint, model, stream, include_usage, generate, _unsupported(body, endpoint),
                          continuous_usage)
@@ -459,6 +486,7 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 
@@ -513,6 +541,7 @@ def reply_finish_reason(parsed: ParsedRequest, final: TokenChunk, num_tool_calls
 def completion_body(
     parsed: ParsedRequest, response_id: str, created: int, text: str, final: TokenChunk,
     logprobs: list[TokenLogprob] | None = None, new_call_id: Callable[[], str] | None = None,
+    reasoning: str = "",
 ) -> dict[str, Any]:
     """The JSON answer. With tools (:attr:`ParsedRequest.parses_tool_calls`) the text's ``<tool_call>``
     blocks become ``message.tool_calls`` (ids from ``new_call_id``) and the rest the content."""
@@ -551,6 +580,9 @@ def completion_body(
             "choices": [{"index": 0, "text": text, "logprobs": logprobs_body(parsed, logprobs),
                          "finish_reason": final.finish_reason}],
         }
+    if reasoning and parsed.endpoint == "chat.completions":
+        # vLLM's two names: reasoning_content (DeepSeek's, what most clients read) and reasoning (vLLM >= 0.11)
+        body["choices"][0]["message"].update(reasoning_content=reasoning, reasoning=reasoning)
     body["usage"] = usage_body(final.usage)
     if final.timings is not None:
         body["timings"] = timings_body(final.timings)
@@ -582,6 +614,7 @@ def stream_chunk(
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     """One SSE chunk; ``logprobs`` is a :func:`logprobs_body` for the tokens of this chunk's text;
     ``tool_calls`` are :func:`tool_call_deltas`."""
@@ -589,6 +622,8 @@ def stream_chunk(
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
+        if reasoning is not None:
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
         if text is not None:
             delta["content"] = text
         if tool_calls is not None:

@@ -55,12 +55,14 @@ async def _collect(parsed: openai_api.ParsedRequest, request_id: str, chunks: As
                    on_final: OnFinal) -> web.Response:
     started = time.monotonic()
     parts: list[str] = []
+    reasoning: list[str] = []
     logprobs: list[TokenLogprob] | None = None if parsed.generate.logprobs is None else []
     ttft_ms: float | None = None
     async for chunk in chunks:
-        if chunk.text and ttft_ms is None:
+        if (chunk.text or chunk.reasoning) and ttft_ms is None:
             ttft_ms = (time.monotonic() - started) * 1000.0
         parts.append(chunk.text)
+        reasoning.append(chunk.reasoning)
         if logprobs is not None and chunk.logprobs:
             logprobs += chunk.logprobs
         if chunk.is_final:
@@ -69,7 +71,7 @@ async def _collect(parsed: openai_api.ParsedRequest, request_id: str, chunks: As
                 raise chunk_error(chunk)
             body = openai_api.completion_body(
                 parsed, response_id(parsed, request_id), int(time.time()), "".join(parts), chunk, logprobs,
-                new_call_id=new_call_id,
+                new_call_id=new_call_id, reasoning="".join(reasoning),
             )
             return web.Response(body=_json.encode(body), content_type="application/json",
                                 headers={"X-Request-Id": request_id})
@@ -111,6 +113,10 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
             output_tokens += len(chunk.token_ids)
             logprobs = openai_api.logprobs_body(parsed, chunk.logprobs, text_offset) if chunk.logprobs else None
             text = chunk.text
+            if chunk.reasoning and parsed.endpoint == "chat.completions":  # the <think> block, before the answer
+                if ttft_ms is None:
+                    ttft_ms = (time.monotonic() - started) * 1000.0
+                await response.write(event(openai_api.stream_chunk(parsed, rid, created, reasoning=chunk.reasoning)))
             if parser is not None:
                 text = ""
                 for piece in parser.push(chunk.text) + (parser.finish() if chunk.is_final else []):

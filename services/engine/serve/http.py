@@ -33,7 +33,7 @@ from services.engine.serve import openapi
 from services.engine.serve.async_engine import EngineHandle
 from services.engine.serve.embedder import embed_reply
 from services.engine.serve.energy import EnergyMeter, EnergyTracker, total_energy_j
-from services.engine.serve.frontend import error_info, output_chunk, prepare_request
+from services.engine.serve.frontend import error_info, output_chunk, prepare_request, reasoning_splitter
 from services.engine.serve.usage_ledger import UsageLedger, load_state, save_state, utc_day
 from services.engine.serve.views import RequestStats, metrics_text, slots_body, usage_body
 
@@ -256,9 +256,10 @@ class EngineService:
             yield TokenChunk(request_id=request_id, index=0, worker_id=self.worker_id,
                              usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=0))
             index = 0
+            splitter = reasoning_splitter(params)
             async for output in stream:
                 index += 1
-                yield output_chunk(self.core.tokenizer, request_id, index, output, self.worker_id)
+                yield output_chunk(self.core.tokenizer, request_id, index, output, self.worker_id, splitter)
 
         try:
             return await openai_stream.respond(request, parsed, request_id, chunks(),
