@@ -196,6 +196,9 @@ class TokenChunk(Message, frozen=True):
     # appended for issue #26 (reasoning): the new text of the reply's <think> block (tags removed); ``text``
     # is then the answer's text only. Empty for a model without thinking.
     reasoning: str = ""
+    # appended for issue #26 (n > 1): which of the request's choices this chunk belongs to (``index`` still
+    # counts the chunks of the whole reply)
+    choice: int = 0
 
     @property
     def is_final(self) -> bool:

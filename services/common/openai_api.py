@@ -15,6 +15,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs; the engine's too
+MAX_N = 128  # OpenAI's cap on n; an engine bounds it further by its concurrency
 
 
 class InvalidRequest(ValueError):
@@ -40,6 +41,8 @@ class ParsedRequest:
     # stream_options.continuous_usage_stats (vLLM's and SGLang's extension): every content chunk of the
     # stream carries the usage so far, so a client (or a gateway) that is cut off knows what it cost
     continuous_usage: bool = False
+    # choices to generate (OpenAI's n); > 1 is also listed in ``unsupported`` for engines that cannot
+    n: int = 1
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -382,9 +385,10 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
     include_usage = bool(options.get("include_usage", False))
     continuous_usage = bool(options.get("continuous_usage_stats", False))
-    n = body.get("n", 1)
-    if n != 1:
-        raise InvalidRequest("only n=1 is supported", "n")
+    n = body.get("n")
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"'n' must be an integer in [1, {MAX_N}]", "n")
     max_tokens = _int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1)
@@ -438,14 +442,17 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         **_reasoning_fields(body, endpoint),
     )
     return ParsedRequest(endpoint, model, stream, include_usage, generate, _unsupported(body, endpoint),
-                         continuous_usage)
+                         continuous_usage, n)
 
 
 # Parameters that change what a reply must be, each with the test for a value that asks for something:
 # accepting such a request and ignoring the parameter would hand the client a silently wrong answer.
 # (response_format, the guided_* forms, logit_bias, min_p, tools and tool_choice are implemented: issue #26;
 # the legacy ``functions`` / ``function_call`` forms are not.)
-_BOTH: dict[str, Callable[[Any], bool]] = {}
+# (n > 1, echo and suffix are served by ninfer-serve's own HTTP face, which takes them off this list:
+# ``ENGINE_SERVES``; the bus protocol does not carry them yet, so the gateway sends them to HTTP members.)
+_BOTH: dict[str, Callable[[Any], bool]] = {"n": lambda v: v not in (None, 1)}
+ENGINE_SERVES = frozenset({"n", "echo", "suffix"})
 _CHAT_CHECKS: dict[str, Callable[[Any], bool]] = {
     **_BOTH,
     "functions": bool,
@@ -615,8 +622,9 @@ def stream_chunk(
     logprobs: dict[str, Any] | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
     reasoning: str | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One SSE chunk; ``logprobs`` is a :func:`logprobs_body` for the tokens of this chunk's text;
+    """One SSE chunk (``index``: the choice); ``logprobs`` is a :func:`logprobs_body` for the tokens of this chunk's text;
     ``tool_calls`` are :func:`tool_call_deltas`."""
     if parsed.endpoint == "chat.completions":
         delta: dict[str, Any] = {}
@@ -628,10 +636,10 @@ def stream_chunk(
             delta["content"] = text
         if tool_calls is not None:
             delta["tool_calls"] = tool_calls
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": response_id, "object": obj, "created": created, "model": parsed.model, "choices": [choice]}
 
