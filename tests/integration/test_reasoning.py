@@ -138,3 +138,39 @@ async def test_preserve_thinking_keeps_earlier_turns_reasoning_in_the_prompt(thi
                 [dict(m) for m in history], preserve_thinking=preserve)
             assert ("<think>\nsix sevens are forty-two\n</think>\n\n42" in prompt) is preserve
     assert counts[True] > counts[False]
+
+
+async def test_reasoning_through_the_gateway_to_a_bus_member(nats_server, thinking_model: Path,  # type: ignore[no-untyped-def]
+                                                             tmp_path: Path) -> None:
+    """The bus carries reasoning_effort and chat_template_kwargs out and the reasoning text and tokens back."""
+    import contextlib
+
+    from services.common.bus import connect
+    from services.common.http import serving
+    from services.gateway import pools
+    from services.gateway.service import GatewayConfig, GatewayService
+    from tests.integration.conftest import start_engine_and_ledger, wait_for
+
+    async with contextlib.AsyncExitStack() as es:
+        await start_engine_and_ledger(es, nats_server.url, thinking_model, tmp_path,
+                                      reasoning_budget_tokens=(4, 8, 16))  # type: ignore[arg-type]
+        gw_nc = await connect(nats_server.url, "gateway")
+        es.push_async_callback(gw_nc.drain)
+        gateway = GatewayService(gw_nc, GatewayConfig(gateway_id="gw1", port=0, data_dir=tmp_path))
+        await es.enter_async_context(gateway.running())
+        base_url = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
+        await wait_for(lambda: "tiny" in pools.model_names(gateway.pools_file.file_config, gateway.fleet), 120)
+        assert gateway.bootstrap is not None
+        c = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=gateway.bootstrap[1], max_retries=0)
+        reply = await c.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0,
+                                                reasoning_effort="low", extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.model_extra["reasoning_content"]
+        assert 1 <= reply.usage.completion_tokens_details.reasoning_tokens <= 5  # type: ignore[union-attr]
+        stream = await c.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0,
+                                                 reasoning_effort="low", stream=True, extra_body={"ignore_eos": True})
+        reasoning = "".join([(ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                             async for ch in stream if ch.choices])
+        assert reasoning == reply.choices[0].message.model_extra["reasoning_content"]
+        off = await c.chat.completions.create(model="tiny", messages=USER, max_tokens=4, extra_body={
+            "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+        assert "reasoning_content" not in (off.choices[0].message.model_extra or {})
