@@ -624,8 +624,8 @@ def stream_chunk(
     reasoning: str | None = None,
     index: int = 0,
 ) -> dict[str, Any]:
-    """One SSE chunk (``index``: the choice); ``logprobs`` is a :func:`logprobs_body` for the tokens of this chunk's text;
-    ``tool_calls`` are :func:`tool_call_deltas`."""
+    """One SSE chunk of choice ``index``; ``logprobs`` is a :func:`logprobs_body` for the tokens of this chunk's
+    text; ``tool_calls`` are :func:`tool_call_deltas`; ``reasoning`` a piece of the <think> block."""
     if parsed.endpoint == "chat.completions":
         delta: dict[str, Any] = {}
         if role:

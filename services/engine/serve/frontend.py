@@ -192,7 +192,8 @@ def sampling_params(req: GenerateRequest, max_context: int, num_prompt_tokens: i
 def prepare_request(core: PromptEncoder, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
     """Prompt token ids (chat template applied) and sampling params; raises the engine's typed errors."""
     if req.reasoning_effort is not None and req.reasoning_effort not in REASONING_EFFORTS:
-        raise InvalidParameterError("reasoning_effort", req.reasoning_effort, f"must be one of {', '.join(REASONING_EFFORTS)}")
+        raise InvalidParameterError("reasoning_effort", req.reasoning_effort,
+                                    f"must be one of {', '.join(REASONING_EFFORTS)}")
     thinking = None
     if req.messages is not None:
         kwargs = template_kwargs(core, req)

@@ -28,10 +28,10 @@ from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W, CounterLimi
 from services.common.http import HTTPError, error_middleware, read_json_object, serving
 from services.common.prom import CONTENT_TYPE
 from services.common.runtime import new_session_id, raise_if_cancelling
+from services.engine.core.sampling_params import SamplingParams
 from services.engine.errors import EngineError
 from services.engine.outputs import RequestOutput
 from services.engine.serve import openapi
-from services.engine.core.sampling_params import SamplingParams
 from services.engine.serve.async_engine import EngineHandle, RequestStream
 from services.engine.serve.embedder import embed_reply
 from services.engine.serve.energy import EnergyMeter, EnergyTracker, total_energy_j
