@@ -82,6 +82,11 @@ class _RequestState:
             return self.forced.pop(0)
         return None
 
+    def holds_grammar(self, thinking: ThinkingParams | None) -> bool:
+        """The request's grammar is not applied yet: its reply started inside <think>, still open (or the
+        tokens that close it are still being forced)."""
+        return thinking is not None and thinking.starts_inside and (not self.thinking_done or bool(self.forced))
+
     def follow_thinking(self, thinking: ThinkingParams | None, tokens: Sequence[int]) -> None:
         """Count the emitted ``tokens`` that belong to the <think> block (its tags included)."""
         if thinking is None:
@@ -321,7 +326,10 @@ class EngineCore:
         params = [r.sampling_params for r in requests if r is not None]
         states = [self._states[r.request_id] for r in requests if r is not None]
         generators = [s.generator for s in states]
-        matchers = [s.matcher for s in states]
+        # a reply that starts inside <think> is constrained from its answer on (the grammar waits for </think>
+        # and the tokens forced after it), as vLLM's structured outputs wait for the reasoning's end
+        matchers = [None if s.matcher is None or s.holds_grammar(p.thinking) else s.matcher
+                    for s, p in zip(states, params, strict=True)]
         if any(m is not None for m in matchers):
             # float32 first (the sampler's dtype; a copy when the runner's logits are half precision)
             logits = apply_grammar_masks(logits.float(), matchers)

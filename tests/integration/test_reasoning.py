@@ -174,3 +174,16 @@ async def test_reasoning_through_the_gateway_to_a_bus_member(nats_server, thinki
         off = await c.chat.completions.create(model="tiny", messages=USER, max_tokens=4, extra_body={
             "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
         assert "reasoning_content" not in (off.choices[0].message.model_extra or {})
+
+
+async def test_a_constrained_answer_follows_the_unconstrained_reasoning(thinking_model: Path, tmp_path: Path) -> None:
+    async with serve(thinking_model, tmp_path, reasoning_budget_tokens=(4, 8, 16)) as s:
+        c = client(s.url)
+        for temperature in (0.0, 1.0, 1.0):
+            reply = await c.chat.completions.create(
+                model="tiny", messages=USER, max_tokens=16, temperature=temperature, reasoning_effort="low",
+                extra_body={"guided_choice": ["yes", "no"], "logit_bias": {str(_end_id(s)): -100}})
+            message = reply.choices[0].message
+            assert message.model_extra["reasoning_content"]  # free text: the grammar waited for </think>
+            assert reply.usage.completion_tokens_details.reasoning_tokens == 5  # type: ignore[union-attr]
+            assert message.content in ("yes", "no") and reply.choices[0].finish_reason == "stop"
