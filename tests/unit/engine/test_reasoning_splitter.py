@@ -50,3 +50,27 @@ def test_the_parser_reads_reasoning_fields_and_bounds_n() -> None:
         with pytest.raises(openai_api.InvalidRequest) as err:
             openai_api.parse_request({**body, **bad}, "chat.completions")
         assert err.value.param == param
+
+
+def test_ninfer_serve_reasoning_flags_reach_the_engine_config(tiny_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import argparse
+
+    from services.common.runtime import ConfigError
+    from services.engine.__main__ import add_arguments, build_config
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+
+    def config(*flags: str):  # type: ignore[no-untyped-def]
+        return build_config(parser.parse_args([str(tiny_model), "--data-dir", str(tmp_path), *flags]))[0]
+
+    default = config()
+    assert default.enable_thinking and default.reasoning_effort is None
+    assert default.reasoning_budget_tokens == (1024, 4096, 16384)
+    flagged = config("--no-thinking", "--reasoning-effort", "low", "--reasoning-budget-tokens", "8,16,32",
+                     "--preserve-thinking")
+    assert not flagged.enable_thinking and flagged.reasoning_effort == "low" and flagged.preserve_thinking
+    assert flagged.reasoning_budget_tokens == (8, 16, 32)
+    for bad in ("8,16", "32,16,8", "a,b,c"):
+        with pytest.raises(ConfigError, match="reasoning-budget-tokens"):
+            config("--reasoning-budget-tokens", bad)
