@@ -90,6 +90,10 @@ async def test_reasoning_effort_forces_the_end_of_thinking_at_its_budget_streame
             assert reasoning == message.model_extra["reasoning_content"] and content == message.content
             assert kinds == sorted(kinds, reverse=True) and "r" in kinds and "c" in kinds  # reasoning first
             assert usage.completion_tokens_details.reasoning_tokens == budget + 1  # type: ignore[union-attr]
+        # n choices: each split on its own, the reasoning tokens summed
+        both = await c.chat.completions.create(n=2, reasoning_effort="low", **args)  # type: ignore[arg-type]
+        assert all(ch.message.model_extra["reasoning_content"] and ch.message.content for ch in both.choices)
+        assert both.usage.completion_tokens_details.reasoning_tokens == 2 * 5  # type: ignore[union-attr]
         with pytest.raises(openai.BadRequestError) as err:
             await c.chat.completions.create(model="tiny", messages=USER, max_tokens=2,
                                             extra_body={"reasoning_effort": "extreme"})

@@ -271,8 +271,7 @@ class EngineService:
                 if parsed.n > 1:
                     # the other choices wait for the first one's prefill: its full prompt blocks are then in the
                     # prefix cache, so the prompt is computed once and the others share its blocks
-                    first = await streams[0].queue.get()
-                    streams[0].finished = first.finished
+                    first = await streams[0].next_output()
                     for i in range(1, parsed.n):
                         streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt_ids,
                                                                      choice_params[i], source="http"))
