@@ -80,3 +80,23 @@ async def test_echo_prepends_the_prompt_and_suffix_needs_fim_tokens(tiny_model: 
             await c.completions.create(model="tiny", prompt="def f(", suffix="    return x\n", max_tokens=2)
         assert err.value.body["param"] == "suffix"  # type: ignore[index]
         assert "fill-in-the-middle" in err.value.body["message"]  # type: ignore[index]
+
+
+async def test_suffix_is_served_as_fill_in_the_middle_when_the_tokenizer_has_fim_tokens(tmp_path: Path) -> None:
+    from services.engine.tiny_checkpoint import build_tokenizer, write_tiny_checkpoint, write_tokenizer_files
+
+    fim = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+    model = write_tiny_checkpoint(tmp_path / "tiny-fim", arch="qwen3", vocab_size=512)
+    tokenizer = build_tokenizer(512 - len(fim))
+    tokenizer.add_special_tokens(list(fim))  # Qwen2.5-Coder's FIM tokens, as the last three ids
+    write_tokenizer_files(model, tokenizer, 4096, eot_id=tokenizer.token_to_id("<|endoftext|>"),
+                          im_end_id=tokenizer.token_to_id("<|im_end|>"))
+    async with serve(model, tmp_path) as s:
+        reply = await client(s.url).completions.create(model="tiny", prompt="def f(x):\n", suffix="    return y\n",
+                                                       max_tokens=3, extra_body={"ignore_eos": True})
+        expected = s.service.core.tokenizer.encode("<|fim_prefix|>def f(x):\n<|fim_suffix|>    return y\n"
+                                                   "<|fim_middle|>")
+        assert [s.service.core.tokenizer.token_to_id(t) for t in fim] == [509, 510, 511]
+        assert {509, 510, 511} <= set(expected)
+        assert reply.usage.prompt_tokens == len(expected)  # type: ignore[union-attr]
+        assert reply.usage.completion_tokens == 3  # type: ignore[union-attr]

@@ -45,12 +45,6 @@ class PromptEncoder(Protocol):
     max_context: int
 
 
-def encode_chat(core: PromptEncoder, messages: Sequence[dict[str, Any]],
-                tools: Sequence[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None
-                ) -> list[int]:
-    return core.tokenizer.encode(render_chat(core, messages, tools, template_kwargs), add_special_tokens=False)
-
-
 def render_chat(core: PromptEncoder, messages: Sequence[dict[str, Any]],
                 tools: Sequence[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
     return core.tokenizer.apply_chat_template(
