@@ -10,7 +10,7 @@ Conventions (see docs/architecture.md):
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from proto.base import Message
 
@@ -35,6 +35,10 @@ class ChatMessage(Message, frozen=True):
     # appended for issue #26 (tool calling): an assistant turn's calls, and the call a ``tool`` turn answers
     tool_calls: list[ToolCall] = []
     tool_call_id: str | None = None
+    # appended for issue #26 (reasoning): an assistant turn's reasoning as a client sends it back
+    # (``reasoning_content`` or ``reasoning``); rendered into the prompt only with --preserve-thinking or
+    # after the last user turn
+    reasoning: str | None = None
 
 
 class Tool(Message, frozen=True):
@@ -107,12 +111,19 @@ class GenerateRequest(Message, frozen=True):
     tool_choice: ToolChoiceMode = "auto"
     tool_choice_name: str | None = None
     parallel_tool_calls: bool = True
+    # reasoning (issue #26): OpenAI's ``reasoning_effort`` (none | low | medium | high; None: the engine's
+    # default) and vLLM's ``chat_template_kwargs`` (template variables such as ``enable_thinking``, as the
+    # client sent them: JSON values the engine passes to the chat template)
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] = {}
 
 
 class Usage(Message, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # appended for issue #26: output tokens spent inside the reply's <think> block (tags included)
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -182,6 +193,12 @@ class TokenChunk(Message, frozen=True):
     worker_id: str = ""
     # One per entry of ``token_ids`` when the request asked for logprobs (GenerateRequest.logprobs).
     logprobs: list[TokenLogprob] | None = None
+    # appended for issue #26 (reasoning): the new text of the reply's <think> block (tags removed); ``text``
+    # is then the answer's text only. Empty for a model without thinking.
+    reasoning: str = ""
+    # appended for issue #26 (n > 1): which of the request's choices this chunk belongs to (``index`` still
+    # counts the chunks of the whole reply)
+    choice: int = 0
 
     @property
     def is_final(self) -> bool:

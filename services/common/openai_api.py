@@ -15,6 +15,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs; the engine's too
+MAX_N = 128  # OpenAI's cap on n; an engine bounds it further by its concurrency
 
 
 class InvalidRequest(ValueError):
@@ -40,6 +41,8 @@ class ParsedRequest:
     # stream_options.continuous_usage_stats (vLLM's and SGLang's extension): every content chunk of the
     # stream carries the usage so far, so a client (or a gateway) that is cut off knows what it cost
     continuous_usage: bool = False
+    # choices to generate (OpenAI's n); > 1 is also listed in ``unsupported`` for engines that cannot
+    n: int = 1
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -106,6 +109,10 @@ def _messages(body: dict[str, Any]) -> list[ChatMessage]:
             raise InvalidRequest(f"messages[{i}].role must be one of {sorted(ROLES)}", f"messages[{i}].role")
         name = m.get("name")
         tool_call_id = m.get("tool_call_id")
+        reasoning = m.get("reasoning_content", m.get("reasoning")) if role == "assistant" else None
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise InvalidRequest(f"messages[{i}].reasoning_content must be a string",
+                                 f"messages[{i}].reasoning_content")
         if role == "tool" and not (isinstance(tool_call_id, str) and tool_call_id):
             raise InvalidRequest(f"messages[{i}].tool_call_id is required for a tool message (a string)",
                                  f"messages[{i}].tool_call_id")
@@ -117,6 +124,7 @@ def _messages(body: dict[str, Any]) -> list[ChatMessage]:
                 tool_calls=_message_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
                 if role == "assistant" else [],
                 tool_call_id=tool_call_id if role == "tool" else None,
+                reasoning=reasoning or None,
             )
         )
     return out
@@ -332,6 +340,27 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     return out
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _reasoning_fields(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    """OpenAI's ``reasoning_effort`` and vLLM's ``chat_template_kwargs`` (chat only)."""
+    if endpoint != "chat.completions":
+        return {}
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    if len(json.dumps(kwargs)) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(f"'chat_template_kwargs' is longer than {MAX_CONSTRAINT_CHARS} characters",
+                             "chat_template_kwargs")
+    return {"reasoning_effort": effort, "chat_template_kwargs": kwargs}
+
+
 def _tool_fields(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
     if endpoint != "chat.completions":
         return {}
@@ -356,9 +385,10 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
     include_usage = bool(options.get("include_usage", False))
     continuous_usage = bool(options.get("continuous_usage_stats", False))
-    n = body.get("n", 1)
-    if n != 1:
-        raise InvalidRequest("only n=1 is supported", "n")
+    n = body.get("n")
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"'n' must be an integer in [1, {MAX_N}]", "n")
     max_tokens = _int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1)
@@ -409,16 +439,20 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         logit_bias=_logit_bias(body),
         **_tool_fields(body, endpoint),
+        **_reasoning_fields(body, endpoint),
     )
     return ParsedRequest(endpoint, model, stream, include_usage, generate, _unsupported(body, endpoint),
-                         continuous_usage)
+                         continuous_usage, n)
 
 
 # Parameters that change what a reply must be, each with the test for a value that asks for something:
 # accepting such a request and ignoring the parameter would hand the client a silently wrong answer.
 # (response_format, the guided_* forms, logit_bias, min_p, tools and tool_choice are implemented: issue #26;
 # the legacy ``functions`` / ``function_call`` forms are not.)
-_BOTH: dict[str, Callable[[Any], bool]] = {}
+# (n > 1, echo and suffix are served by ninfer-serve's own HTTP face, which takes them off this list:
+# ``ENGINE_SERVES``; the bus protocol does not carry them yet, so the gateway sends them to HTTP members.)
+_BOTH: dict[str, Callable[[Any], bool]] = {"n": lambda v: v not in (None, 1)}
+ENGINE_SERVES = frozenset({"n", "echo", "suffix"})
 _CHAT_CHECKS: dict[str, Callable[[Any], bool]] = {
     **_BOTH,
     "functions": bool,
@@ -459,6 +493,7 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 
@@ -513,6 +548,7 @@ def reply_finish_reason(parsed: ParsedRequest, final: TokenChunk, num_tool_calls
 def completion_body(
     parsed: ParsedRequest, response_id: str, created: int, text: str, final: TokenChunk,
     logprobs: list[TokenLogprob] | None = None, new_call_id: Callable[[], str] | None = None,
+    reasoning: str = "",
 ) -> dict[str, Any]:
     """The JSON answer. With tools (:attr:`ParsedRequest.parses_tool_calls`) the text's ``<tool_call>``
     blocks become ``message.tool_calls`` (ids from ``new_call_id``) and the rest the content."""
@@ -551,6 +587,9 @@ def completion_body(
             "choices": [{"index": 0, "text": text, "logprobs": logprobs_body(parsed, logprobs),
                          "finish_reason": final.finish_reason}],
         }
+    if reasoning and parsed.endpoint == "chat.completions":
+        # vLLM's two names: reasoning_content (DeepSeek's, what most clients read) and reasoning (vLLM >= 0.11)
+        body["choices"][0]["message"].update(reasoning_content=reasoning, reasoning=reasoning)
     body["usage"] = usage_body(final.usage)
     if final.timings is not None:
         body["timings"] = timings_body(final.timings)
@@ -582,21 +621,25 @@ def stream_chunk(
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One SSE chunk; ``logprobs`` is a :func:`logprobs_body` for the tokens of this chunk's text;
-    ``tool_calls`` are :func:`tool_call_deltas`."""
+    """One SSE chunk of choice ``index``; ``logprobs`` is a :func:`logprobs_body` for the tokens of this chunk's
+    text; ``tool_calls`` are :func:`tool_call_deltas`; ``reasoning`` a piece of the <think> block."""
     if parsed.endpoint == "chat.completions":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
+        if reasoning is not None:
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
         if text is not None:
             delta["content"] = text
         if tool_calls is not None:
             delta["tool_calls"] = tool_calls
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": response_id, "object": obj, "created": created, "model": parsed.model, "choices": [choice]}
 

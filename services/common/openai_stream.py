@@ -51,26 +51,57 @@ async def respond(request: web.Request, parsed: openai_api.ParsedRequest, reques
     return await _collect(parsed, request_id, chunks, on_final)
 
 
+def _combined_final(finals: dict[int, TokenChunk]) -> TokenChunk:
+    """One final chunk for ``n`` choices: the first choice's, its usage summed over the choices' output
+    (the prompt counted once: the choices share it)."""
+    first = finals[0]
+    usages = [c.usage for c in finals.values() if c.usage is not None]
+    if len(finals) == 1 or first.usage is None:
+        return first
+    usage = msgspec.structs.replace(first.usage, completion_tokens=sum(u.completion_tokens for u in usages),
+                                    reasoning_tokens=sum(u.reasoning_tokens for u in usages))
+    return msgspec.structs.replace(first, usage=usage)
+
+
 async def _collect(parsed: openai_api.ParsedRequest, request_id: str, chunks: AsyncIterator[TokenChunk],
                    on_final: OnFinal) -> web.Response:
     started = time.monotonic()
-    parts: list[str] = []
-    logprobs: list[TokenLogprob] | None = None if parsed.generate.logprobs is None else []
+    parts: dict[int, list[str]] = {i: [] for i in range(parsed.n)}
+    reasoning: dict[int, list[str]] = {i: [] for i in range(parsed.n)}
+    logprobs: dict[int, list[TokenLogprob] | None] = {
+        i: None if parsed.generate.logprobs is None else [] for i in range(parsed.n)}
+    finals: dict[int, TokenChunk] = {}
     ttft_ms: float | None = None
     async for chunk in chunks:
-        if chunk.text and ttft_ms is None:
+        i = chunk.choice
+        if (chunk.text or chunk.reasoning) and ttft_ms is None:
             ttft_ms = (time.monotonic() - started) * 1000.0
-        parts.append(chunk.text)
-        if logprobs is not None and chunk.logprobs:
-            logprobs += chunk.logprobs
-        if chunk.is_final:
+        parts[i].append(chunk.text)
+        reasoning[i].append(chunk.reasoning)
+        if (lps := logprobs[i]) is not None and chunk.logprobs:
+            lps += chunk.logprobs
+        if chunk.error is not None:
             on_final(chunk, ttft_ms)
-            if chunk.error is not None:
-                raise chunk_error(chunk)
-            body = openai_api.completion_body(
-                parsed, response_id(parsed, request_id), int(time.time()), "".join(parts), chunk, logprobs,
-                new_call_id=new_call_id,
-            )
+            raise chunk_error(chunk)
+        if chunk.is_final:
+            finals[i] = chunk
+            if len(finals) < parsed.n:
+                continue
+            final = _combined_final(finals)
+            on_final(final, ttft_ms)
+            rid, created = response_id(parsed, request_id), int(time.time())
+            body: dict[str, Any] = {}
+            for j in range(parsed.n):
+                one = openai_api.completion_body(
+                    parsed, rid, created, "".join(parts[j]), finals[j], logprobs[j],
+                    new_call_id=new_call_id, reasoning="".join(reasoning[j]),
+                )
+                one["choices"][0]["index"] = j
+                if j == 0:
+                    body = one
+                else:
+                    body["choices"] += one["choices"]
+            body["usage"] = openai_api.usage_body(final.usage)
             return web.Response(body=_json.encode(body), content_type="application/json",
                                 headers={"X-Request-Id": request_id})
     raise HTTPError(503, "the engine ended the reply without a final chunk", code="upstream_gap")
@@ -92,25 +123,38 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
         return b"data: " + _json.encode(obj) + b"\n\n"
 
     ttft_ms: float | None = None
-    text_offset = 0  # legacy completions' logprobs count character offsets across the whole completion
+    # per choice (n > 1: chunks carry their choice): legacy completions' logprobs count character offsets
+    # across the whole completion; with tools the text goes through the <tool_call> parser
+    text_offset = dict.fromkeys(range(parsed.n), 0)
+    parsers = {i: ToolCallParser(parallel_tool_calls=parsed.generate.parallel_tool_calls, incremental=True)
+               for i in range(parsed.n)} if parsed.parses_tool_calls else {}
+    num_calls = dict.fromkeys(range(parsed.n), 0)
+    finals: dict[int, TokenChunk] = {}
     # the usage so far, for stream_options.continuous_usage_stats: the prompt as the acceptance chunk says
     prompt_tokens, cached_tokens, output_tokens = 0, 0, 0
     # The last events (the final chunk's text, finish, usage, [DONE]) go out in one write with the end of
     # the chunked body: one system call instead of four or five.
     tail: list[bytes] = []
     if parsed.endpoint == "chat.completions":
-        await response.write(event(openai_api.stream_chunk(parsed, rid, created, role=True, text="")))
-    # with tools: the text goes through the <tool_call> parser; calls go out as delta.tool_calls events
-    parser = (ToolCallParser(parallel_tool_calls=parsed.generate.parallel_tool_calls, incremental=True)
-              if parsed.parses_tool_calls else None)
-    num_calls = 0
+        for i in range(parsed.n):
+            await response.write(event(openai_api.stream_chunk(parsed, rid, created, role=True, text="", index=i)))
     try:
         async for chunk in chunks:
+            i = chunk.choice
+            is_last = chunk.error is not None or (chunk.is_final and len(finals) + 1 >= parsed.n)
+            pending: list[bytes] = []  # this chunk's events: they join the tail when it is the reply's last
+
             if chunk.usage is not None and not chunk.is_final:
                 prompt_tokens, cached_tokens = chunk.usage.prompt_tokens, chunk.usage.cached_tokens
             output_tokens += len(chunk.token_ids)
-            logprobs = openai_api.logprobs_body(parsed, chunk.logprobs, text_offset) if chunk.logprobs else None
+            logprobs = openai_api.logprobs_body(parsed, chunk.logprobs, text_offset[i]) if chunk.logprobs else None
             text = chunk.text
+            if chunk.reasoning and parsed.endpoint == "chat.completions":  # the <think> block, before the answer
+                if ttft_ms is None:
+                    ttft_ms = (time.monotonic() - started) * 1000.0
+                await response.write(event(openai_api.stream_chunk(parsed, rid, created, reasoning=chunk.reasoning,
+                                                                   index=i)))
+            parser = parsers.get(i)
             if parser is not None:
                 text = ""
                 for piece in parser.push(chunk.text) + (parser.finish() if chunk.is_final else []):
@@ -120,45 +164,50 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
                     if ttft_ms is None:
                         ttft_ms = (time.monotonic() - started) * 1000.0
                     if text:  # content before the call goes out first, in order
-                        await response.write(event(openai_api.stream_chunk(parsed, rid, created, text=text)))
+                        await response.write(event(openai_api.stream_chunk(parsed, rid, created, text=text,
+                                                                           index=i)))
                         text = ""
                     if isinstance(piece, ParsedCall):
-                        deltas = openai_api.tool_call_deltas(piece, num_calls, new_call_id())
+                        deltas = openai_api.tool_call_deltas(piece, num_calls[i], new_call_id())
                     elif isinstance(piece, CallStart):
-                        deltas = [openai_api.tool_call_start_delta(piece.name, num_calls, new_call_id())]
+                        deltas = [openai_api.tool_call_start_delta(piece.name, num_calls[i], new_call_id())]
                     else:
-                        deltas = [openai_api.tool_call_arguments_delta(piece.text, num_calls - 1)]
+                        deltas = [openai_api.tool_call_arguments_delta(piece.text, num_calls[i] - 1)]
                     for delta in deltas:
                         await response.write(event(openai_api.stream_chunk(parsed, rid, created,
-                                                                           tool_calls=[delta])))
+                                                                           tool_calls=[delta], index=i)))
                     if not isinstance(piece, ArgumentsPiece):
-                        num_calls += 1
+                        num_calls[i] += 1
             if text or logprobs is not None:  # a token without text yet (part of a character) has logprobs
                 if ttft_ms is None and text:
                     ttft_ms = (time.monotonic() - started) * 1000.0
-                body = openai_api.stream_chunk(parsed, rid, created, text=text, logprobs=logprobs)
+                body = openai_api.stream_chunk(parsed, rid, created, text=text, logprobs=logprobs, index=i)
                 if parsed.continuous_usage:
                     body["usage"] = openai_api.usage_body(Usage(prompt_tokens=prompt_tokens,
                                                                 completion_tokens=output_tokens,
                                                                 cached_tokens=cached_tokens))
-                content = event(body)
-                text_offset += sum(len(e.token) for e in chunk.logprobs or ())
-                if chunk.is_final:
-                    tail.append(content)
-                else:
-                    await response.write(content)
-            if chunk.is_final:
+                pending.append(event(body))
+                text_offset[i] += sum(len(e.token) for e in chunk.logprobs or ())
+            if chunk.error is not None:
                 on_final(chunk, ttft_ms)
-                if chunk.error is not None:
-                    tail.append(event(_error_event(chunk_error(chunk))))
-                else:
-                    final = openai_api.stream_chunk(parsed, rid, created, finish_reason=openai_api.reply_finish_reason(
-                        parsed, chunk, num_calls))
-                    if chunk.timings is not None:
-                        final["timings"] = openai_api.timings_body(chunk.timings)
-                    tail.append(event(final))
+                pending.append(event(_error_event(chunk_error(chunk))))
+            elif chunk.is_final:
+                finals[i] = chunk
+                final = openai_api.stream_chunk(parsed, rid, created, finish_reason=openai_api.reply_finish_reason(
+                    parsed, chunk, num_calls[i]), index=i)
+                if chunk.timings is not None:
+                    final["timings"] = openai_api.timings_body(chunk.timings)
+                pending.append(event(final))
+                if is_last:
+                    combined = _combined_final(finals)
+                    on_final(combined, ttft_ms)
                     if parsed.include_usage:
-                        tail.append(event(openai_api.usage_chunk(parsed, rid, created, chunk.usage)))
+                        pending.append(event(openai_api.usage_chunk(parsed, rid, created, combined.usage)))
+            if is_last:
+                tail += pending  # (the iterator still runs to its end: its owner's cleanup is in there)
+                continue
+            for data in pending:
+                await response.write(data)
     except HTTPError as err:
         # The status line is gone already: end the stream with an error event instead.
         on_error(err)

@@ -60,7 +60,7 @@ SAMPLING = {
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "n": {"type": "integer", "const": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": 128},
     "ignore_eos": {"type": "boolean"},
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 64},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
@@ -72,9 +72,12 @@ SAMPLING = {
 CHAT = {"type": "object", "required": ["model", "messages"],
         "properties": {"model": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
                        **SAMPLING, **TOOLS, "logprobs": {"type": "boolean"},
+                       "reasoning_effort": {"type": "string", "enum": ["none", "minimal", "low", "medium", "high"]},
+                       "chat_template_kwargs": {"type": "object"},
                        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
 COMPLETION = {"type": "object", "required": ["model", "prompt"],
               "properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, **SAMPLING,
+                             "echo": {"type": "boolean"}, "suffix": {"type": "string"},
                              "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
 _TOKENS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
 EMBEDDINGS = {"type": "object", "required": ["model", "input"],

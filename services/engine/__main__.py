@@ -89,7 +89,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft logits through the main model's LM head: --spec draft; with --spec mtp "
                              "that is always so (accepted, no effect)")
     parser.add_argument("--preserve-thinking", action="store_true",
-                        help="keep <think> blocks of earlier assistant turns in the prompt")
+                        help="keep the reasoning of earlier assistant turns (their reasoning_content, or <think> "
+                             "blocks in their content) in the prompt")
+    parser.add_argument("--no-thinking", action="store_true",
+                        help="render chat templates with enable_thinking=False (a request's "
+                             "chat_template_kwargs.enable_thinking still wins)")
+    parser.add_argument("--reasoning-effort", choices=["none", "minimal", "low", "medium", "high"],
+                        help="default reasoning effort (a request's reasoning_effort wins): the thinking-token "
+                             "budget after which the engine closes </think> and answers; none = no thinking; "
+                             "default: no budget")
+    parser.add_argument("--reasoning-budget-tokens", default="1024,4096,16384", metavar="LOW,MEDIUM,HIGH",
+                        help="thinking tokens each reasoning effort allows (default 1024,4096,16384; minimal is 0)")
     parser.add_argument("--pooling", choices=list(POOLING_TYPES), default="last",
                         help="/v1/embeddings: the last token's hidden state (default, as vLLM pools decoder "
                              "models) or the mean over every token; either is L2-normalised")
@@ -174,6 +184,16 @@ def _stream_interval(text: str) -> float:
     return value
 
 
+
+def _budgets(text: str) -> tuple[int, int, int]:
+    try:
+        low, medium, high = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError("reasoning-budget-tokens", f"must be three integers LOW,MEDIUM,HIGH, got {text!r}") from None
+    if not 0 <= low <= medium <= high:
+        raise ConfigError("reasoning-budget-tokens", f"must be 0 <= LOW <= MEDIUM <= HIGH, got {text!r}")
+    return low, medium, high
+
 def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, WorkerConfig]:
     spec = build_spec_config(args)
     if args.device != "cpu" and not args.device.startswith("cuda"):
@@ -208,7 +228,9 @@ def build_config(args: argparse.Namespace) -> tuple[EngineConfig, ServeConfig, W
         model_path=path, model_id=model_id, dtype=args.dtype, device=args.device, kv_dtype=args.kv_dtype,
         quant_dequant=args.quant_dequant, kv_capacity_tokens=args.kv_capacity, max_concurrency=args.max_concurrency,
         max_pending_requests=args.max_pending_requests, max_context=args.max_context,
-        preserve_thinking=args.preserve_thinking, spec=spec, backend=args.backend,
+        preserve_thinking=args.preserve_thinking, enable_thinking=not args.no_thinking,
+        reasoning_effort=args.reasoning_effort, reasoning_budget_tokens=_budgets(args.reasoning_budget_tokens),
+        spec=spec, backend=args.backend,
         stream_interval_ms=args.stream_interval_ms, cuda_graphs=not args.no_cuda_graphs,
         pooling=args.pooling,
         torch_threads=args.threads or (default_cpu_threads(args.in_process) if args.device == "cpu" else None),

@@ -33,6 +33,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     preserve_thinking: bool = False
+    # thinking models (a chat template that writes <think>): render with enable_thinking (False:
+    # --no-thinking), and the default reasoning effort (None: no thinking budget) with the thinking-token
+    # budget each effort allows (low, medium, high)
+    enable_thinking: bool = True
+    reasoning_effort: str | None = None
+    reasoning_budget_tokens: tuple[int, int, int] = (1024, 4096, 16384)
     torch_threads: int | None = None
     # Decode steps through CUDA graphs where they can run (CUDA device, triton backend); False: eager always.
     cuda_graphs: bool = True

@@ -29,7 +29,7 @@ import xgrammar as xgr
 from services.common.prom import INTER_TOKEN_BUCKETS_S, ITERATION_TOKENS_BUCKETS, Histogram
 from services.engine.config import EngineConfig
 from services.engine.core.request import Request
-from services.engine.core.sampling_params import SamplingParams
+from services.engine.core.sampling_params import SamplingParams, ThinkingParams
 from services.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.core.stop_checker import StopChecker
 from services.engine.errors import ContextLengthExceededError, InvalidParameterError, QueueFullError
@@ -63,6 +63,43 @@ class _RequestState:
     generator: torch.Generator | None
     # structured output: the request's grammar position (it has accepted every token emitted so far)
     matcher: xgr.GrammarMatcher | None = None
+    # a thinking model's reply (SamplingParams.thinking): inside the <think> block, tokens spent there, and
+    # the tokens still to force once its budget ran out
+    is_thinking: bool = False
+    num_reasoning_tokens: int = 0
+    forced: list[int] = field(default_factory=list)
+    thinking_done: bool = False
+
+    def force_thinking_end(self, thinking: ThinkingParams | None) -> int | None:
+        """The token this step must take instead of the sampled one (a spent thinking budget), or None."""
+        if thinking is None:
+            return None
+        if self.forced:
+            return self.forced.pop(0)
+        if (self.is_thinking and thinking.budget_tokens is not None
+                and self.num_reasoning_tokens >= thinking.budget_tokens):
+            self.forced = list(thinking.end_ids or (thinking.end_id,))
+            return self.forced.pop(0)
+        return None
+
+    def holds_grammar(self, thinking: ThinkingParams | None) -> bool:
+        """The request's grammar is not applied yet: its reply started inside <think>, still open (or the
+        tokens that close it are still being forced)."""
+        return thinking is not None and thinking.starts_inside and (not self.thinking_done or bool(self.forced))
+
+    def follow_thinking(self, thinking: ThinkingParams | None, tokens: Sequence[int]) -> None:
+        """Count the emitted ``tokens`` that belong to the <think> block (its tags included)."""
+        if thinking is None:
+            return
+        for token_id in tokens:
+            if self.thinking_done:
+                return
+            if not self.is_thinking and token_id == thinking.start_id:
+                self.is_thinking = True
+            if self.is_thinking:
+                self.num_reasoning_tokens += 1
+                if token_id == thinking.end_id:
+                    self.is_thinking, self.thinking_done = False, True
 
 
 @dataclass
@@ -189,7 +226,7 @@ class EngineCore:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self._states[request_id] = _RequestState(
             IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_token_ids), StopChecker(params.stop), generator,
-            matcher,
+            matcher, is_thinking=params.thinking is not None and params.thinking.starts_inside,
         )
         self.admitted_total += 1
         # Admitted only: a refusal (bad parameters, context, 429 queue full) is never counted, as the gateway
@@ -257,7 +294,7 @@ class EngineCore:
         state = self._states.pop(request_id, None)
         if request is None or state is None:
             return None
-        return self._output(request, "", (), now)
+        return self._output(request, "", (), now, num_reasoning_tokens=state.num_reasoning_tokens)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -289,11 +326,17 @@ class EngineCore:
         params = [r.sampling_params for r in requests if r is not None]
         states = [self._states[r.request_id] for r in requests if r is not None]
         generators = [s.generator for s in states]
-        matchers = [s.matcher for s in states]
+        # a reply that starts inside <think> is constrained from its answer on (the grammar waits for </think>
+        # and the tokens forced after it), as vLLM's structured outputs wait for the reasoning's end
+        matchers = [None if s.matcher is None or s.holds_grammar(p.thinking) else s.matcher
+                    for s, p in zip(states, params, strict=True)]
         if any(m is not None for m in matchers):
             # float32 first (the sampler's dtype; a copy when the runner's logits are half precision)
             logits = apply_grammar_masks(logits.float(), matchers)
         token_ids, logprobs = self.sampler.sample(logits, params, generators, histories(requests))
+        for i, (p, state) in enumerate(zip(params, states, strict=True)):
+            if (forced := state.force_thinking_end(p.thinking)) is not None:
+                token_ids[i] = forced  # a spent thinking budget: close the block (the sampled token is dropped)
         for matcher, token_id in zip(matchers, token_ids, strict=True):
             if matcher is not None and not matcher.is_terminated():
                 matcher.accept_token(token_id)
@@ -406,6 +449,7 @@ class EngineCore:
         the request on a stop string, flush its text when it finished, and count the tokens."""
         state = self._states[request.request_id]
         self.output_tokens_total += len(tokens)
+        state.follow_thinking(request.sampling_params.thinking, tokens)
         if tokens:
             # the first emission is the time to first token; each later one is a gap (vLLM's inter-token latency)
             if request.last_token_s is not None:
@@ -422,10 +466,10 @@ class EngineCore:
                 text += state.stop_checker.feed(state.detokenizer.flush()).text_to_emit
                 text += state.stop_checker.flush()
             del self._states[request.request_id]
-        return self._output(request, text, tuple(tokens), now, logprobs)
+        return self._output(request, text, tuple(tokens), now, logprobs, state.num_reasoning_tokens)
 
     def _output(self, request: Request, text: str, token_ids: tuple[int, ...], now: float,
-                logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
+                logprobs: tuple[TokenLogprobs, ...] | None = None, num_reasoning_tokens: int = 0) -> RequestOutput:
         timings = None
         if request.is_finished:
             start = request.first_scheduled_s if request.first_scheduled_s is not None else now
@@ -444,6 +488,7 @@ class EngineCore:
             num_output_tokens=request.num_output_tokens, timings=timings,
             num_draft_tokens=request.num_draft_tokens, num_accepted_draft_tokens=request.num_accepted_draft_tokens,
             logprobs=logprobs, max_tokens=request.sampling_params.max_tokens,
+            num_reasoning_tokens=num_reasoning_tokens,
         )
 
     # ---- telemetry ---------------------------------------------------------------------------------

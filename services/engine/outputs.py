@@ -43,6 +43,8 @@ class RequestOutput:
     logprobs: tuple[TokenLogprobs, ...] | None = None
     # The request's max_tokens sampling parameter (vllm:request_params_max_tokens); 0 where not known.
     max_tokens: int = 0
+    # So far for this request: output tokens inside its <think> block, tags included (0 without thinking).
+    num_reasoning_tokens: int = 0
 
     @property
     def finished(self) -> bool:

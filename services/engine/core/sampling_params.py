@@ -37,6 +37,22 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ThinkingParams:
+    """How the core follows a reply's ``<think>`` block, token by token (the tags are single tokens).
+
+    ``starts_inside``: the prompt opened the block (the reply starts in reasoning); otherwise a
+    ``start_id`` token opens it. ``end_id`` closes it. ``budget_tokens`` (None: no limit): once that many
+    tokens were spent in the block, the next tokens are forced to ``end_ids`` (``end_id`` first, e.g.
+    ``</think>`` and a blank line) and the reply goes on with the answer."""
+
+    start_id: int
+    end_id: int
+    starts_inside: bool = False
+    budget_tokens: int | None = None
+    end_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """How one request samples and stops.
 
@@ -84,6 +100,8 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # a thinking model's reply: reasoning tokens counted, and a budget forced (None: no thinking to follow)
+    thinking: ThinkingParams | None = None
 
     def __post_init__(self) -> None:
         # Callers naturally pass lists (JSON arrays); freeze them so the dataclass stays immutable.
@@ -111,7 +129,8 @@ class SamplingParams:
     def can_speculate(self) -> bool:
         """Drafts are verified against plain target rows; rows whose logits are reshaped per request
         (penalties, min_tokens, logit_bias, a grammar's mask) are decoded one token a step instead."""
-        return not self.shapes_logits and self.structured is None and not self.logit_bias
+        return (not self.shapes_logits and self.structured is None and not self.logit_bias
+                and (self.thinking is None or self.thinking.budget_tokens is None))  # a budget forces tokens
 
     @property
     def effective_top_k(self) -> int:

@@ -224,6 +224,16 @@ class Tokenizer:
                 if message.get("role") == "assistant":
                     message["content"] = strip_thinking(message.get("content"))
                     message.pop("reasoning_content", None)
+        if "reasoning_content" not in (self.chat_template_source or ""):
+            # a template that does not read reasoning_content would drop it: it goes in as the <think>
+            # block the model wrote (Qwen3's own template reads the field, and finds such blocks in content)
+            for message in prepared:
+                reasoning = message.pop("reasoning_content", None)
+                if message.get("role") == "assistant" and isinstance(reasoning, str) and reasoning:
+                    content = message.get("content")
+                    message["content"] = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n" + (
+                        content if isinstance(content, str) else "".join(
+                            p.get("text", "") for p in content or () if isinstance(p, dict)))
         variables = {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",

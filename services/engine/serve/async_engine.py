@@ -220,6 +220,13 @@ class RequestStream:
             if not self.aborting:
                 self.close()
 
+    async def next_output(self) -> RequestOutput:
+        """The next output, read without iterating (a request with n > 1 waits on its first choice's first
+        output with it); a later ``async for`` goes on from there."""
+        output = await self.queue.get()
+        self.finished = output.finished
+        return output
+
     async def abort_and_wait(self, timeout_s: float) -> RequestOutput | None:
         """Abort the request and wait (at most ``timeout_s``) for the engine's last output for it: its
         ``num_prompt_tokens`` / ``num_output_tokens`` are what the request used, so a cut-short request

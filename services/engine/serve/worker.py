@@ -45,7 +45,7 @@ from services.engine.errors import DeadlineExceededError, EngineError
 from services.engine.outputs import RequestOutput
 from services.engine.serve.async_engine import EngineHandle, RequestStream
 from services.engine.serve.embedder import embed_reply
-from services.engine.serve.frontend import error_info, output_chunk, prepare_request
+from services.engine.serve.frontend import error_info, output_chunk, prepare_request, reasoning_splitter
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +239,7 @@ class BusWorker:
         await self._reply(inbox, TokenChunk(request_id=req.request_id, index=0, worker_id=self.config.worker_id,
                                             usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)))
         index = 0
+        splitter = reasoning_splitter(params)
         try:
             outputs = aiter(stream)
             if req.deadline_s is not None:
@@ -251,11 +252,11 @@ class BusWorker:
                     return
                 index += 1
                 await self._reply(inbox, output_chunk(self.engine.core.tokenizer, req.request_id, index, first,
-                                                      self.config.worker_id))
+                                                      self.config.worker_id, splitter))
             async for output in outputs:
                 index += 1
                 await self._reply(inbox, output_chunk(self.engine.core.tokenizer, req.request_id, index, output,
-                                                      self.config.worker_id))
+                                                      self.config.worker_id, splitter))
         except asyncio.CancelledError:
             # Cancelled (the gateway's cancel: its client went away; or shutdown): abort in the engine and tell
             # the gateway what the request used up to the cut, in a final "abort" chunk it waits for.
@@ -264,7 +265,7 @@ class BusWorker:
                 if final is not None:
                     final = dataclasses.replace(final, finish_reason="abort")
                     await self._reply(inbox, output_chunk(self.engine.core.tokenizer, req.request_id, index + 1,
-                                                          final, self.config.worker_id))
+                                                          final, self.config.worker_id, splitter))
             raise
         finally:
             stream.close()  # free its blocks (idempotent after an abort)
