@@ -157,7 +157,8 @@ class Supervisor:
             await self.wait_until_ready()
             host = self.args.host if ":" not in self.args.host else f"[{self.args.host}]"
             self.url = f"http://{host}:{bound_port}"
-            announce("gateway", f"listening on {self.url} ({self.num_workers} workers)")
+            log.info("all %d gateway workers serving", self.num_workers)
+            announce("gateway", f"listening on {self.url}")  # the line a single gateway prints: parsers read both
             async with asyncio.TaskGroup() as tasks:
                 for slot in self.slots:
                     tasks.create_task(self.keep_running(slot, argv[slot.index], listen_fd))
@@ -170,6 +171,7 @@ class Supervisor:
             # their own process group: a terminal's Ctrl-C reaches only us, and we stop them (SIGTERM)
             preexec_fn=set_parent_death_signal, start_new_session=True)
         slot.started_s = time.monotonic()
+        log.info("gateway worker %s started (pid %d, gateway id %s)", slot.label, slot.proc.pid, slot.gateway_id)
         assert slot.proc.stdout is not None and slot.proc.stderr is not None
         slot.pumps = [asyncio.create_task(self._stdout(slot, slot.proc.stdout)),
                       asyncio.create_task(self._stderr(slot.proc.stderr))]

@@ -44,12 +44,17 @@ def worker_pids(parent: int) -> set[int]:
     return {int(p) for p in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()}
 
 
+# the gateway as `llmgw gateway` runs it where the platform has no SO_REUSEPORT: the parent listens and hands
+# the socket down to the workers (which run unchanged: they get --listen-fd)
+NO_REUSEPORT = ["-c", "import socket, sys; del socket.SO_REUSEPORT; from services.gateway.__main__ import main; main()"]
+
+
 @contextlib.contextmanager
-def gateway(nats_url: str, data: Path, upstream: str, *extra: str) -> Iterator[tuple[Followed, str]]:
+def gateway(nats_url: str, data: Path, upstream: str, how: list[str] | None = None) -> Iterator[tuple[Followed, str]]:
     pools = data / "pools.json"
     pools.write_text('{"model_pools": {"null": {"members": [{"model_id": "null", "backend": "%s"}]}}}' % upstream)
-    followed = Followed([sys.executable, "-m", "services.gateway", "--workers", "2", "--port", "0", "--nats",
-                         nats_url, "--data-dir", str(data), "--config", str(pools), "--gateway-id", "gwk", *extra],
+    followed = Followed([sys.executable, *(how or ["-m", "services.gateway"]), "--workers", "2", "--port", "0",
+                         "--nats", nats_url, "--data-dir", str(data), "--config", str(pools), "--gateway-id", "gwk"],
                         "llmgw gateway ready: ", env={**os.environ, "LLMGW_LOG_LEVEL": "INFO"})
     try:
         line = followed.wait_ready(START_TIMEOUT_S)
@@ -103,10 +108,13 @@ async def nats(tmp_path: Path):  # type: ignore[no-untyped-def]
         yield server
 
 
-async def test_two_workers_serve_one_port_and_every_scrape_holds_both(nats, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("how", ["SO_REUSEPORT", "socket handed down"])
+async def test_two_workers_serve_one_port_and_every_scrape_holds_both(nats, tmp_path: Path, how: str) -> None:  # type: ignore[no-untyped-def]
     key = make_key(tmp_path / "data", None)
-    with null_engine() as upstream, gateway(nats.url, tmp_path / "data", upstream) as (proc, url):
+    with null_engine() as upstream, gateway(nats.url, tmp_path / "data", upstream,
+                                            NO_REUSEPORT if how == "socket handed down" else None) as (proc, url):
         assert proc.output.count("llmgw gateway ready: ") == 1  # one readiness line for the whole gateway
+        assert f"({how if how == 'SO_REUSEPORT' else 'one listening socket handed down'})" in proc.output
         assert len(worker_pids(proc.proc.pid)) == 2
         for _ in range(20):
             assert (await asyncio.to_thread(chat, url, key)).choices[0].message.content == "x" * 16
