@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -52,7 +53,7 @@ NO_REUSEPORT = ["-c", "import socket, sys; del socket.SO_REUSEPORT; from service
 @contextlib.contextmanager
 def gateway(nats_url: str, data: Path, upstream: str, how: list[str] | None = None) -> Iterator[tuple[Followed, str]]:
     pools = data / "pools.json"
-    pools.write_text('{"model_pools": {"null": {"members": [{"model_id": "null", "backend": "%s"}]}}}' % upstream)
+    pools.write_text(json.dumps({"model_pools": {"null": {"members": [{"model_id": "null", "backend": upstream}]}}}))
     followed = Followed([sys.executable, *(how or ["-m", "services.gateway"]), "--workers", "2", "--port", "0",
                          "--nats", nats_url, "--data-dir", str(data), "--config", str(pools), "--gateway-id", "gwk"],
                         "llmgw gateway ready: ", env={**os.environ, "LLMGW_LOG_LEVEL": "INFO"})
@@ -103,13 +104,13 @@ def metric(text: str, name: str, **labels: str) -> list[float]:
 
 
 @pytest.fixture
-async def nats(tmp_path: Path):  # type: ignore[no-untyped-def]
+async def nats(tmp_path: Path):
     async with EmbeddedNatsServer(tmp_path / "nats") as server:
         yield server
 
 
 @pytest.mark.parametrize("how", ["SO_REUSEPORT", "socket handed down"])
-async def test_two_workers_serve_one_port_and_every_scrape_holds_both(nats, tmp_path: Path, how: str) -> None:  # type: ignore[no-untyped-def]
+async def test_two_workers_serve_one_port_and_every_scrape_holds_both(nats, tmp_path: Path, how: str) -> None:
     key = make_key(tmp_path / "data", None)
     with null_engine() as upstream, gateway(nats.url, tmp_path / "data", upstream,
                                             NO_REUSEPORT if how == "socket handed down" else None) as (proc, url):
@@ -128,7 +129,7 @@ async def test_two_workers_serve_one_port_and_every_scrape_holds_both(nats, tmp_
         assert sum(ok_per_worker) == 20 and all(n > 0 for n in ok_per_worker), ok_per_worker
 
 
-async def test_a_worker_killed_is_restarted_and_requests_keep_succeeding(nats, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+async def test_a_worker_killed_is_restarted_and_requests_keep_succeeding(nats, tmp_path: Path) -> None:
     key = make_key(tmp_path / "data", None)
     with null_engine() as upstream, gateway(nats.url, tmp_path / "data", upstream) as (proc, url):
         before = worker_pids(proc.proc.pid)
@@ -153,7 +154,7 @@ async def test_a_worker_killed_is_restarted_and_requests_keep_succeeding(nats, t
             assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
-async def test_one_keys_quota_holds_across_the_workers(nats, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+async def test_one_keys_quota_holds_across_the_workers(nats, tmp_path: Path) -> None:
     """Each worker counts its own requests and shares its counters on the bus (limits.py): the key's daily
     quota binds the two together, not each one (which would admit twice as many requests)."""
     key = make_key(tmp_path / "data", QUOTA_TOKENS)
@@ -166,10 +167,10 @@ async def test_one_keys_quota_holds_across_the_workers(nats, tmp_path: Path) -> 
 
     nc = await connect(nats.url, "test")
     try:
-        async def cb(msg) -> None:  # type: ignore[no-untyped-def]
+        async def cb(msg) -> None:
             on_counters(msg.data)
         await nc.subscribe(subjects.QUOTA_ALL, cb=cb)
-        with null_engine() as upstream, gateway(nats.url, tmp_path / "data", upstream) as (proc, url):
+        with null_engine() as upstream, gateway(nats.url, tmp_path / "data", upstream) as (_, url):
             statuses: list[int] = []
             for _ in range(16):
                 try:
