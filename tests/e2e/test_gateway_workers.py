@@ -189,7 +189,7 @@ async def test_one_keys_quota_holds_across_the_workers(nats, tmp_path: Path) -> 
             text = (await asyncio.to_thread(httpx.get, f"{url}/metrics", timeout=60)).text
     finally:
         await nc.drain()
-    # 5 requests fit in the quota (4 × 24 = 96 < 100 leaves room for one more); the rest are refused
+    # 5 requests fit in the quota (4 x 24 = 96 < 100 leaves room for one more); the rest are refused
     assert statuses == [200] * 5 + [429] * 11, statuses
     assert set(counted) == {"gwk-w0", "gwk-w1"}
     # both workers took part: each admitted or refused some of the requests
