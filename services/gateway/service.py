@@ -112,7 +112,7 @@ class GatewayService:
                          file_config.limits.max_concurrent_per_key, config.gateway_id, usage_owner=config.worker)
         self.bootstrap: tuple[str, str] | None = None  # (admin password, API key) printed at a first start
         self.fleet = Fleet(config.gateway_id)
-        self.router = routing_adapter.Router(config.data_dir, time.time())
+        self.router = routing_adapter.Router(config.data_dir, time.time(), worker=config.worker)
         self.metrics = GatewayMetrics()
         self.shedder = LoadShedder(config.max_in_flight, config.max_loop_lag_s)
         self._quiet_log = ThrottledLog(log)  # per-request lines while a member or the bus is down

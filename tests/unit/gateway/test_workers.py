@@ -103,3 +103,25 @@ def test_without_so_reuseport_the_parent_listens_and_hands_the_socket_down(monke
             pass
     finally:
         sock.close()
+
+
+def test_each_worker_keeps_its_own_routing_tables_and_first_starts_from_the_single_process(tmp_path: Path) -> None:
+    from services.gateway.routing_adapter import Router
+
+    now = 1_000_000.0
+    single = Router(tmp_path, now)
+    single.pins.pin("session-a", "m1", now)
+    single.save(now)
+    w1 = Router(tmp_path, now + 1, worker="w1")
+    assert w1.pins.get("session-a", now + 1) == "m1"  # its first start: what the single process learnt
+    w1.pins.pin("session-b", "m2", now + 1)
+    w1.save(now + 1)
+    w0 = Router(tmp_path, now + 2, worker="w0")
+    w0.pins.unpin("session-a")
+    w0.save(now + 2)
+    # one file per worker: w0's save did not overwrite what w1 learnt, nor the single process's
+    assert Router(tmp_path, now + 3, worker="w1").pins.get("session-b", now + 3) == "m2"
+    assert Router(tmp_path, now + 3, worker="w0").pins.get("session-a", now + 3) is None
+    assert Router(tmp_path, now + 3).pins.get("session-a", now + 3) == "m1"
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "routing").rglob("pins.json")) == [
+        "routing/pins.json", "routing/w0/pins.json", "routing/w1/pins.json"]
