@@ -8,7 +8,7 @@ with a ``worker`` label (``w0`` … ``wN-1``): Prometheus sums them with ``sum w
 
 Two gauges say how complete the answer is: ``llmgw_gateway_workers`` (how many the gateway runs) and
 ``llmgw_gateway_workers_reporting`` (how many texts this answer holds; fewer while a worker restarts
-or the bus is down). docs/observability.md, "Gateway workers".
+or the bus is down). docs/reliability.md, "Gateway workers".
 """
 
 from __future__ import annotations
