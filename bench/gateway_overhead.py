@@ -8,7 +8,8 @@ One run, all on loopback:
 * a ``nats-server`` (JetStream) and the **gateway** (``python -m services.gateway``) with a pools file whose
   one pool ``null`` has the null engine as its only HTTP member (so every request also publishes a usage
   record to JetStream, as in production);
-* optionally **LiteLLM's proxy** (``litellm --config … --num_workers 1``, master key, no database,
+* optionally **LiteLLM's proxy** (``litellm --config … --num_workers K``, ``--litellm-workers``, default 1;
+  master key, no database,
   ``LITELLM_LOCAL_MODEL_COST_MAP=True``, model ``openai/null`` with ``api_base`` = the null engine), when
   the ``litellm`` command is installed (``pip install 'litellm[proxy]'``). If it is missing or does not
   start, the output says so and no LiteLLM figure is printed.
@@ -421,7 +422,7 @@ def check_target(name: str, base: str, headers: dict[str, str]) -> None:
 # stack
 
 
-def start_litellm(null_url: str, work: Path, procs: list[Proc]) -> tuple[str | None, str]:
+def start_litellm(null_url: str, work: Path, procs: list[Proc], num_workers: int = 1) -> tuple[str | None, str]:
     """(base URL, note); base is None when LiteLLM is not installed or does not start."""
     exe = Path(PY).parent / "litellm"
     exe_s = str(exe) if exe.exists() else shutil.which("litellm")
@@ -444,7 +445,7 @@ def start_litellm(null_url: str, work: Path, procs: list[Proc]) -> tuple[str | N
     env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")
     env.pop("DATABASE_URL", None)
     proc = Proc("litellm", [exe_s, "--config", str(cfg), "--port", str(port), "--host", "127.0.0.1",
-                            "--num_workers", "1"], work, env)
+                            "--num_workers", str(num_workers)], work, env)
     procs.append(proc)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -460,7 +461,8 @@ def start_litellm(null_url: str, work: Path, procs: list[Proc]) -> tuple[str | N
             with contextlib.suppress(Exception):
                 from importlib.metadata import version as _v
                 version = _v("litellm")
-            return base, f"LiteLLM {version} proxy: 1 worker, master key, no DB, LITELLM_LOCAL_MODEL_COST_MAP=True."
+            return base, (f"LiteLLM {version} proxy: {num_workers} worker(s), master key, no DB, "
+                          "LITELLM_LOCAL_MODEL_COST_MAP=True.")
         time.sleep(0.5)
     return None, "LiteLLM: no /health/liveliness within 180 s — no LiteLLM figures."
 
@@ -475,6 +477,9 @@ def main() -> None:
     ap.add_argument("--duration", type=int, default=5, help="whole seconds per cell (default 5)")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--no-litellm", action="store_true", help="skip LiteLLM even if installed")
+    ap.add_argument("--litellm-workers", type=int, default=1,
+                    help="LiteLLM's --num_workers (default 1: the per-process comparison; give the gateway's worker "
+                         "count for a same-cores one)")
     ap.add_argument("--load", choices=["auto", "wrk", "aiohttp"], default="auto")
     ap.add_argument("--serve-null", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--serve-load", nargs=5, metavar="X", help=argparse.SUPPRESS)
@@ -560,7 +565,7 @@ def main() -> None:
             if args.no_litellm:
                 notes.append("LiteLLM: skipped (--no-litellm) — no LiteLLM figures.")
             else:
-                lite_url, note = start_litellm(null_url, work, procs)
+                lite_url, note = start_litellm(null_url, work, procs, args.litellm_workers)
                 notes.append(note)
 
             num_targets = 1 + len(worker_counts) + (1 if lite_url else 0)
@@ -618,7 +623,7 @@ def main() -> None:
             for proc in reversed(procs):
                 proc.close()
 
-    report(cells, notes, tool, duration, concurrencies, worker_counts)
+    report(cells, notes, tool, duration, concurrencies, worker_counts, args.litellm_workers)
     report_rate(rate_cells, f"Open loop at {args.rate:g} req/s offered")
     report_rate(overload_cells, "Overload: open loop at 2x each gateway's best closed-loop req/s in this run")
 
@@ -666,7 +671,8 @@ def host_line() -> str:
 
 
 def report(cells: list[Cell], notes: list[str], tool: str, duration: int, concurrencies: list[int],
-           worker_counts: list[int]) -> None:
+           worker_counts: list[int], litellm_workers: int = 1) -> None:
+    """``gateway xN / LiteLLM`` is a per-process ratio only where both run one process (x1, 1 worker)."""
     by = {(c.target, c.stream, c.concurrency): c for c in cells}
     load_desc = ("wrk 1 thread, closed loop (N connections)" if tool == "wrk"
                  else "aiohttp client in a separate process, closed loop (N tasks)")
@@ -708,7 +714,8 @@ def report(cells: list[Cell], notes: list[str], tool: str, duration: int, concur
                 ratio_text(best(g, stream), best(gateways[0], stream), gateways[0]) for g in gateways[1:]) + " |")
     if "litellm" in names:
         print()
-        print("| mode | " + " | ".join(f"{g} / LiteLLM (1 worker), best req/s" for g in gateways) + " |")
+        print("| mode | " + " | ".join(f"{g} / LiteLLM ({litellm_workers} worker(s)), best req/s"
+                                      for g in gateways) + " |")
         print("|---|" + "---|" * len(gateways))
         for stream in (False, True):
             print(f"| {'stream' if stream else 'json'} | " + " | ".join(
