@@ -52,6 +52,7 @@ NO_REUSEPORT = ["-c", "import socket, sys; del socket.SO_REUSEPORT; from service
 
 @contextlib.contextmanager
 def gateway(nats_url: str, data: Path, upstream: str, how: list[str] | None = None) -> Iterator[tuple[Followed, str]]:
+    data.mkdir(parents=True, exist_ok=True)
     pools = data / "pools.json"
     pools.write_text(json.dumps({"model_pools": {"null": {"members": [{"model_id": "null", "backend": upstream}]}}}))
     followed = Followed([sys.executable, *(how or ["-m", "services.gateway"]), "--workers", "2", "--port", "0",
@@ -195,3 +196,19 @@ async def test_one_keys_quota_holds_across_the_workers(nats, tmp_path: Path) -> 
     # both workers took part: each admitted or refused some of the requests
     per_worker = [sum(metric(text, "llmgw_requests_total", worker=w)) for w in ("w0", "w1")]
     assert all(n > 0 for n in per_worker), per_worker
+
+
+async def test_when_the_parent_is_killed_its_workers_stop_too(nats, tmp_path: Path) -> None:
+    with null_engine() as upstream, gateway(nats.url, tmp_path / "data", upstream) as (proc, _):
+        workers = worker_pids(proc.proc.pid)
+        assert len(workers) == 2
+        proc.proc.kill()  # SIGKILL: no chance to stop them itself; the kernel tells them (PR_SET_PDEATHSIG)
+        proc.proc.wait()
+
+        def gone() -> bool:
+            return all(not Path(f"/proc/{pid}").exists()
+                       or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z" for pid in workers)
+
+        async with asyncio.timeout(START_TIMEOUT_S):
+            while not gone():
+                await asyncio.sleep(0.1)
