@@ -599,15 +599,26 @@ class IdentityStore:
             f"ON CONFLICT ({columns[0]}) DO UPDATE SET {updates} WHERE excluded.updated_s > {table}.updated_s",
             [row[c] for c in columns])
         if cursor.rowcount <= 0:
+            stored = self.db.execute(f"SELECT updated_s FROM {table} WHERE {columns[0]} = ?",
+                                     (row[columns[0]],)).fetchone()
+            if stored is not None and stored[0] == row["updated_s"]:
+                # The file holds this very version already: written here, or by another process on the same
+                # file (a sibling worker of `llmgw gateway --workers`) that took it first. Our in-memory copy
+                # may predate it: without this a key that worker revoked kept working here until the next
+                # resync (15 s).
+                self._forget_cached(table, row)
             return False
-        self._updated_s = max(self._updated_s, float(row["updated_s"]))
+        self._forget_cached(table, row)
+        return True
+
+    def _forget_cached(self, table: str, row: dict[str, object]) -> None:
+        self._updated_s = max(self._updated_s, float(row["updated_s"]))  # type: ignore[arg-type]  # checked a number above
         if table == "users":
             self._users.pop(str(row["user_id"]), None)
         elif table == "limits":
             self.reload_limits()
         else:
             self.reload_keys()
-        return True
 
     # ---- limits (services/gateway/limits.py) -----------------------------------------------------------
 

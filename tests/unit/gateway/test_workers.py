@@ -125,3 +125,30 @@ def test_each_worker_keeps_its_own_routing_tables_and_first_starts_from_the_sing
     assert Router(tmp_path, now + 3).pins.get("session-a", now + 3) == "m1"
     assert sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "routing").rglob("pins.json")) == [
         "routing/pins.json", "routing/w0/pins.json", "routing/w1/pins.json"]
+
+
+def test_a_key_a_sibling_worker_revoked_in_the_shared_file_stops_working_here_when_its_row_arrives(
+        tmp_path: Path) -> None:
+    """Two processes on one identity.db: the row that comes over the bus is the version the file already
+    holds (the sibling wrote it), so it changes nothing there, but this process's in-memory copy must follow."""
+    import time
+
+    from services.gateway.identity import hash_password, key_digest
+
+    here, sibling = IdentityStore(tmp_path / "identity"), IdentityStore(tmp_path / "identity")
+    try:
+        user = sibling.create_user("bob", hash_password("bob-password-1"), "user")
+        here.refresh()
+        key, record = sibling.create_key(user.user_id, "laptop", None, time.time())
+        row = sibling.replica_row("api_keys", record.key_id)
+        assert row is not None
+        assert here.apply_replica("api_keys", row) is False  # the file had it already ...
+        assert here.lookup_key(key_digest(key), time.time()) is not None  # ... and here it works at once
+        sibling.revoke_key(record.key_id, time.time())
+        row = sibling.replica_row("api_keys", record.key_id)
+        assert row is not None
+        here.apply_replica("api_keys", row)
+        assert here.lookup_key(key_digest(key), time.time()) is None  # revoked here too, not 15 s later
+    finally:
+        here.close()
+        sibling.close()
