@@ -3,7 +3,8 @@
 What it wires: flags → ``GatewayConfig``, the pools file (``proto.pools``) → ``GatewayFileConfig``; one
 NATS connection (``services.common.bus``) → ``GatewayService`` (service.py, which wires the forwarder,
 the usage publisher, the pools file, the peers, heartbeat intake and the pages), served on its HTTP port
-until a signal under ``run_async_main``.
+until a signal under ``run_async_main``. With ``--workers N`` (N > 1) this process runs none of that itself: it
+supervises N worker processes that each do (services/gateway/workers.py).
 """
 
 from __future__ import annotations
