@@ -8,7 +8,8 @@ One run, all on loopback:
 * a ``nats-server`` (JetStream) and the **gateway** (``python -m services.gateway``) with a pools file whose
   one pool ``null`` has the null engine as its only HTTP member (so every request also publishes a usage
   record to JetStream, as in production);
-* optionally **LiteLLM's proxy** (``litellm --config … --num_workers 1``, master key, no database,
+* optionally **LiteLLM's proxy** (``litellm --config … --num_workers K``, ``--litellm-workers``, default 1;
+  master key, no database,
   ``LITELLM_LOCAL_MODEL_COST_MAP=True``, model ``openai/null`` with ``api_base`` = the null engine), when
   the ``litellm`` command is installed (``pip install 'litellm[proxy]'``). If it is missing or does not
   start, the output says so and no LiteLLM figure is printed.
@@ -20,7 +21,15 @@ streaming} x concurrency {1, 16, 64}: requests/s, latency p50/p99 (whole respons
 the added latency p50/p99 (target minus direct at the same concurrency and mode). A short warm-up precedes
 each target x mode.
 
-    .venv/bin/python bench/gateway_overhead.py [--quick] [--duration 5] [--concurrency 1,16,64] [--no-litellm]
+The gateway is measured once per ``--workers`` count (default 1 and one per core: ``llmgw gateway
+--workers``), one gateway at a time. Open-loop cells (their own process, requests sent on a fixed schedule):
+``--rate`` req/s offered to the direct engine and each gateway, and an **overload** cell per gateway and mode at
+2x the best closed-loop req/s that gateway reached in this run. They report served req/s, the explicit 503s
+(the gateway's overload answer) apart from every other failure, and the served requests' p50/p99. A peer that
+serves 0 req/s (a stalled LiteLLM) gives "n/a" ratios, never a crash.
+
+    .venv/bin/python bench/gateway_overhead.py [--quick] [--duration 5] [--concurrency 1,16,64] [--workers 1,2]
+                                              [--rate 1000] [--no-litellm]
 """
 
 from __future__ import annotations
@@ -52,6 +61,9 @@ STREAM_CHUNKS = 16
 LITELLM_KEY = "sk-bench-overhead"
 MAX_CONCURRENCY = 1024
 MAX_DURATION_S = 120.0
+# the open-loop client's connections: requests due beyond that many open ones wait in the client, and that
+# wait counts in their latency (from the due time); the gateway sees at most this many in flight
+OPEN_LOOP_CONNECTIONS = 512
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -130,22 +142,28 @@ class _Recorder:
         self.url, self.data = url, body.encode()
         self.headers = {"Content-Type": "application/json", **json.loads(headers_json)}
         self.latencies_us: list[float] = []
-        self.errors = 0
+        self.errors = 0  # every request not answered 200 (the 503s included)
+        self.shed = 0  # of those, the explicit 503s (the gateway's overload answer, services/gateway/shedding.py)
+        self.failures: dict[str, int] = {}  # every failure by kind: "HTTP 503", "ServerDisconnectedError" ...
 
     async def post(self, session, started: float) -> None:  # type: ignore[no-untyped-def]
         """One request; its latency runs from ``started`` (perf_counter seconds)."""
         import aiohttp
 
+        status, kind = 0, ""
         try:
             async with session.post(self.url, data=self.data, headers=self.headers) as resp:
+                status = resp.status
+                kind = f"HTTP {status}"
                 await resp.read()
-                ok = resp.status == 200
-        except aiohttp.ClientError:
-            ok = False
-        if ok:
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            status, kind = 0, type(exc).__name__  # a broken connection or stream, or no answer in time: not a 503
+        if status == 200:
             self.latencies_us.append((time.perf_counter() - started) * 1e6)
         else:
             self.errors += 1
+            self.shed += status == 503
+            self.failures[kind] = self.failures.get(kind, 0) + 1
 
     def print_result(self, duration_s: float) -> None:
         lat = sorted(self.latencies_us)
@@ -154,7 +172,8 @@ class _Recorder:
             return lat[min(len(lat) - 1, int(q / 100 * len(lat)))] if lat else float("nan")
 
         print("RESULT " + json.dumps({"requests": len(lat) + self.errors, "duration_s": duration_s,
-                                      "errors": self.errors, "p50_us": pct(50), "p99_us": pct(99)}), flush=True)
+                                      "errors": self.errors, "shed": self.shed, "failures": self.failures,
+                                      "p50_us": pct(50), "p99_us": pct(99)}), flush=True)
 
 
 def serve_rate(url: str, body: str, rate: float, duration: float, headers_json: str) -> None:
@@ -167,7 +186,7 @@ def serve_rate(url: str, body: str, rate: float, duration: float, headers_json: 
     recorder = _Recorder(url, body, headers_json)
 
     async def main() -> None:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512)) as session:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=OPEN_LOOP_CONNECTIONS)) as session:
             tasks = []
             t0 = time.perf_counter() + 0.05
             for i in range(int(rate * duration)):
@@ -301,8 +320,16 @@ class Cell:
     rps: float
     p50_ms: float
     p99_ms: float
-    errors: int
+    errors: int  # requests not answered 200, the 503s included
     requests: int
+    shed: int = 0  # explicit 503s (with Retry-After): the gateway's overload answer
+    failures: dict[str, int] = dataclasses.field(default_factory=dict)  # open-loop cells: failures by kind
+    offered_rps: float = 0.0  # open-loop cells: the rate requests were sent at
+
+    @property
+    def other_failures(self) -> int:
+        """Failures other than an explicit 503: refused connections, broken streams, timeouts, other statuses."""
+        return self.errors - self.shed
 
 
 def request_body(stream: bool) -> dict:
@@ -363,8 +390,19 @@ def run_rate(url: str, stream: bool, rate: float, duration: int, headers: dict[s
     if line is None:
         raise RuntimeError(f"rate generator failed: {out.stdout}\n{out.stderr}")
     r = json.loads(line[7:])
-    return Cell("", stream, 0, (r["requests"] - r["errors"]) / r["duration_s"], r["p50_us"] / 1000,
-                r["p99_us"] / 1000, r["errors"], r["requests"])
+    return Cell("", stream, 0, per_s(r["requests"] - r["errors"], r["duration_s"]), r["p50_us"] / 1000,
+                r["p99_us"] / 1000, r["errors"], r["requests"], shed=r.get("shed", 0), offered_rps=rate,
+                failures=r.get("failures", {}))
+
+
+def per_s(count: float, seconds: float) -> float:
+    """A rate that is 0, never a ZeroDivisionError, when a run measured no time (a peer that stalled)."""
+    return count / seconds if seconds > 0 else 0.0
+
+
+def ratio_text(num: float, den: float, what: str) -> str:
+    """``num / den`` as "12.3x", or why not (a peer that served 0 req/s has no ratio: say so)."""
+    return f"{num / den:.1f}x" if den > 0 else f"n/a ({what} served 0 req/s)"
 
 
 def check_target(name: str, base: str, headers: dict[str, str]) -> None:
@@ -384,7 +422,7 @@ def check_target(name: str, base: str, headers: dict[str, str]) -> None:
 # stack
 
 
-def start_litellm(null_url: str, work: Path, procs: list[Proc]) -> tuple[str | None, str]:
+def start_litellm(null_url: str, work: Path, procs: list[Proc], num_workers: int = 1) -> tuple[str | None, str]:
     """(base URL, note); base is None when LiteLLM is not installed or does not start."""
     exe = Path(PY).parent / "litellm"
     exe_s = str(exe) if exe.exists() else shutil.which("litellm")
@@ -407,7 +445,7 @@ def start_litellm(null_url: str, work: Path, procs: list[Proc]) -> tuple[str | N
     env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")
     env.pop("DATABASE_URL", None)
     proc = Proc("litellm", [exe_s, "--config", str(cfg), "--port", str(port), "--host", "127.0.0.1",
-                            "--num_workers", "1"], work, env)
+                            "--num_workers", str(num_workers)], work, env)
     procs.append(proc)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -423,7 +461,8 @@ def start_litellm(null_url: str, work: Path, procs: list[Proc]) -> tuple[str | N
             with contextlib.suppress(Exception):
                 from importlib.metadata import version as _v
                 version = _v("litellm")
-            return base, f"LiteLLM {version} proxy: 1 worker, master key, no DB, LITELLM_LOCAL_MODEL_COST_MAP=True."
+            return base, (f"LiteLLM {version} proxy: {num_workers} worker(s), master key, no DB, "
+                          "LITELLM_LOCAL_MODEL_COST_MAP=True.")
         time.sleep(0.5)
     return None, "LiteLLM: no /health/liveliness within 180 s — no LiteLLM figures."
 
@@ -438,12 +477,21 @@ def main() -> None:
     ap.add_argument("--duration", type=int, default=5, help="whole seconds per cell (default 5)")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--no-litellm", action="store_true", help="skip LiteLLM even if installed")
+    ap.add_argument("--litellm-workers", type=int, default=1,
+                    help="LiteLLM's --num_workers (default 1: the per-process comparison; give the gateway's worker "
+                         "count for a same-cores one)")
     ap.add_argument("--load", choices=["auto", "wrk", "aiohttp"], default="auto")
     ap.add_argument("--serve-null", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--serve-load", nargs=5, metavar="X", help=argparse.SUPPRESS)
     ap.add_argument("--serve-rate", nargs=5, metavar="X", help=argparse.SUPPRESS)
     ap.add_argument("--rate", type=float, default=1000.0,
                     help="open-loop rate for the fixed-rate cells (req/s; default 1000; 0 skips them)")
+    ap.add_argument("--max-in-flight", type=int, default=None,
+                    help="the gateways' --max-in-flight (open requests per worker before an immediate 503; default: "
+                         "the gateway's own). The open-loop client holds at most 512 connections")
+    ap.add_argument("--workers", default=None,
+                    help="gateway worker counts to measure, one gateway at a time (default: 1 and one per core, "
+                         "as llmgw gateway --workers defaults to)")
     args = ap.parse_args()
     if args.serve_null is not None:
         serve_null(args.serve_null)
@@ -464,6 +512,13 @@ def main() -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     if any(not 1 <= c <= MAX_CONCURRENCY for c in concurrencies):
         ap.error(f"--concurrency values must be 1..{MAX_CONCURRENCY}")
+    try:
+        worker_counts = ([int(w) for w in args.workers.split(",")] if args.workers
+                         else sorted({1, default_workers()}))
+    except ValueError:
+        ap.error("--workers takes whole numbers, comma-separated")
+    if any(w < 1 for w in worker_counts):
+        ap.error("--workers values must be at least 1")
     tool = ("wrk" if shutil.which("wrk") else "aiohttp") if args.load == "auto" else args.load
     if tool == "wrk" and not shutil.which("wrk"):
         ap.error("wrk not on PATH")
@@ -475,13 +530,14 @@ def main() -> None:
     procs: list[Proc] = []
     cells: list[Cell] = []
     rate_cells: list[Cell] = []
+    overload_cells: list[Cell] = []
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="gw-overhead-") as tmp:
         work = Path(tmp)
         try:
             null = Proc("null-engine", [PY, __file__, "--serve-null", "0"], work)
             procs.append(null)
-            null_url = null.wait_line("null engine ready:", 30).split()[-1]
+            null_url = null.wait_line("null engine ready:", 60).split()[-1]
 
             nats_port = free_port()
             (work / "nats").mkdir()
@@ -498,84 +554,131 @@ def main() -> None:
                 time.sleep(0.1)
 
             pools = work / "pools.json"
-            pools.write_text(json.dumps({"model_pools": {MODEL: {"members": [
-                {"model_id": MODEL, "backend": null_url}]}}}))
-            gw = Proc("gateway", [PY, "-m", "services.gateway", "--port", "0", "--nats",
-                                  f"nats://127.0.0.1:{nats_port}", "--config", str(pools),
-                                  "--data-dir", str(work / "gw-data")], work)
-            procs.append(gw)
-            # everything on: the gateway checks the bootstrap admin's API key on every request (printed
-            # once, before its ready line)
-            gw_key = gw.wait_line("first start:", 60).split("API key ", 1)[1].split(";")[0]
-            gw_url = gw.wait_line("llmgw gateway ready:", 60).split()[-1]
-            gw_auth = {"Authorization": f"Bearer {gw_key}"}
+            # one API key carries all the load: its open-requests cap (gateway.max_concurrent_per_key, 64 by
+            # default, a 429 beyond) would otherwise be what the open-loop cells measure, not the gateway
+            pools.write_text(json.dumps({"gateway": {"max_concurrent_per_key": 100_000}, "model_pools": {MODEL: {
+                "members": [{"model_id": MODEL, "backend": null_url}]}}}))
+            nats_url = f"nats://127.0.0.1:{nats_port}"
+            check_target("direct", null_url, {})
 
-            targets: list[tuple[str, str, dict[str, str]]] = [("direct", null_url, {}), ("gateway", gw_url, gw_auth)]
-            for name, base, hdrs in targets:
-                check_target(name, base, hdrs)
+            lite_url: str | None = None
             if args.no_litellm:
                 notes.append("LiteLLM: skipped (--no-litellm) — no LiteLLM figures.")
             else:
-                lite_url, note = start_litellm(null_url, work, procs)
+                lite_url, note = start_litellm(null_url, work, procs, args.litellm_workers)
                 notes.append(note)
-                if lite_url:
-                    targets.append(("litellm", lite_url, {"Authorization": f"Bearer {LITELLM_KEY}"}))
 
-            plan = [(t, s, c) for t in targets for s in (False, True) for c in concurrencies]
-            bar = tqdm(plan, desc="cells", unit="cell")
-            warmed: set[tuple[str, bool]] = set()
-            for (name, base, hdrs), stream, conc in bar:
-                bar.set_postfix_str(f"{name} {'stream' if stream else 'json'} c={conc}")
-                url = base + "/v1/chat/completions"
-                if (name, stream) not in warmed:
-                    run_load(tool, url, stream, max(concurrencies), warmup, hdrs, work)
-                    warmed.add((name, stream))
-                reqs, secs, errors, p50, p99 = run_load(tool, url, stream, conc, duration, hdrs, work)
-                cells.append(Cell(name, stream, conc, (reqs - errors) / secs, p50 / 1000, p99 / 1000, errors, reqs))
+            num_targets = 1 + len(worker_counts) + (1 if lite_url else 0)
+            bar = tqdm(total=num_targets * 2 * len(concurrencies), desc="cells", unit="cell")
+
+            def closed_loop(name: str, base: str, hdrs: dict[str, str]) -> None:
+                for stream in (False, True):
+                    url = base + "/v1/chat/completions"
+                    run_load(tool, url, stream, max(concurrencies), warmup, hdrs, work)  # warm-up
+                    for conc in concurrencies:
+                        bar.set_postfix_str(f"{name} {'stream' if stream else 'json'} c={conc}")
+                        reqs, secs, errors, p50, p99 = run_load(tool, url, stream, conc, duration, hdrs, work)
+                        cells.append(Cell(name, stream, conc, per_s(reqs - errors, secs), p50 / 1000, p99 / 1000,
+                                          errors, reqs))
+                        bar.update()
+
+            def open_loop(name: str, base: str, hdrs: dict[str, str], overload: bool) -> None:
+                for stream in (False, True):
+                    if args.rate > 0:  # the issue's latency target is stated at a fixed offered rate
+                        cell = run_rate(base + "/v1/chat/completions", stream, args.rate, duration, hdrs)
+                        rate_cells.append(dataclasses.replace(cell, target=name))
+                    if overload:  # 2x what this target served at its best, closed loop, in this run
+                        capacity = max((c.rps for c in cells if c.target == name and c.stream == stream), default=0)
+                        if capacity > 0:
+                            cell = run_rate(base + "/v1/chat/completions", stream, 2 * capacity, duration, hdrs)
+                            overload_cells.append(dataclasses.replace(cell, target=name))
+
+            closed_loop("direct", null_url, {})
+            open_loop("direct", null_url, {}, overload=False)
+            gw_key: str | None = None
+            for workers in worker_counts:
+                # one gateway at a time (the same data directory: the first start's API key serves them all),
+                # so an idle one takes no CPU from the one measured
+                gw = Proc(f"gateway-x{workers}", [PY, "-m", "services.gateway", "--port", "0", "--nats", nats_url,
+                                                  "--config", str(pools), "--data-dir", str(work / "gw-data"),
+                                                  "--workers", str(workers),
+                                                  *(["--max-in-flight", str(args.max_in_flight)]
+                                                    if args.max_in_flight else [])], work)
+                procs.append(gw)
+                if gw_key is None:  # everything on: the gateway checks this API key on every request (printed
+                    # once, before the ready line, at the first start)
+                    gw_key = gw.wait_line("first start:", 120).split("API key ", 1)[1].split(";")[0]
+                gw_url = gw.wait_line("llmgw gateway ready:", 120).split()[-1]
+                gw_auth = {"Authorization": f"Bearer {gw_key}"}
+                name = gateway_name(workers)
+                check_target(name, gw_url, gw_auth)
+                closed_loop(name, gw_url, gw_auth)
+                open_loop(name, gw_url, gw_auth, overload=True)
+                gw.close()
+                procs.remove(gw)
+            if lite_url:
+                closed_loop("litellm", lite_url, {"Authorization": f"Bearer {LITELLM_KEY}"})
             bar.close()
-            if args.rate > 0:  # the issue's latency target is stated at a fixed offered rate
-                rate_plan = [(t, s) for t in targets[:2] for s in (False, True)]
-                for (name, base, hdrs), stream in tqdm(rate_plan, desc=f"{args.rate:g} req/s cells", unit="cell"):
-                    cell = run_rate(base + "/v1/chat/completions", stream, args.rate, duration, hdrs)
-                    rate_cells.append(dataclasses.replace(cell, target=name))
         finally:
             for proc in reversed(procs):
                 proc.close()
 
-    report(cells, notes, tool, duration, concurrencies)
-    report_rate(rate_cells, args.rate)
+    report(cells, notes, tool, duration, concurrencies, worker_counts, args.litellm_workers)
+    report_rate(rate_cells, f"Open loop at {args.rate:g} req/s offered")
+    report_rate(overload_cells, "Overload: open loop at 2x each gateway's best closed-loop req/s in this run")
 
 
-def report_rate(cells: list[Cell], rate: float) -> None:
+def gateway_name(workers: int) -> str:
+    return f"gateway x{workers}"
+
+
+def default_workers() -> int:
+    """What ``llmgw gateway --workers`` defaults to (services/gateway/workers.py: one default, kept there)."""
+    sys.path.insert(0, str(REPO))
+    from services.gateway.workers import default_workers as gateway_default
+
+    return gateway_default()
+
+
+def report_rate(cells: list[Cell], title: str) -> None:
+    """Open-loop cells: what was served, the explicit 503s, every other failure, and the served requests'
+    latency (from each request's due time)."""
     if not cells:
         return
-    by = {(c.target, c.stream): c for c in cells}
     print()
-    print(f"Open loop at {rate:g} req/s offered (latency from each request's due time: no coordinated omission):")
+    print(f"{title} (latency of the requests served 200, from each one's due time: no coordinated omission):")
     print()
-    print("| target | mode | offered req/s | served req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | errors |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| target | mode | offered req/s | served req/s | 503s | other failures | p50 ms | p99 ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for c in cells:
-        d = by.get(("direct", c.stream))
-        if c.target == "direct" or d is None:
-            a50 = a99 = "—"
-        else:
-            a50, a99 = f"{c.p50_ms - d.p50_ms:.2f}", f"{c.p99_ms - d.p99_ms:.2f}"
-        print(f"| {c.target} | {'stream' if c.stream else 'json'} | {rate:,.0f} | {c.rps:,.0f} | "
-              f"{pct_fmt(c.p50_ms)} | {pct_fmt(c.p99_ms)} | {a50} | {a99} | {c.errors} |")
+        other = ", ".join(f"{n} {kind}" for kind, n in sorted(c.failures.items()) if kind != "HTTP 503")
+        print(f"| {c.target} | {'stream' if c.stream else 'json'} | {c.offered_rps:,.0f} | {c.rps:,.0f} | "
+              f"{c.shed} | {c.other_failures}{f' ({other})' if other else ''} | {pct_fmt(c.p50_ms)} | "
+              f"{pct_fmt(c.p99_ms)} |")
 
 
-def report(cells: list[Cell], notes: list[str], tool: str, duration: int, concurrencies: list[int]) -> None:
-    by = {(c.target, c.stream, c.concurrency): c for c in cells}
+def host_line() -> str:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(Exception):
         cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                    if ln.startswith("model name"))
+    load = ""
+    with contextlib.suppress(OSError, AttributeError):
+        one, five, fifteen = os.getloadavg()
+        load = f" load average at the end {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min);"
+    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; host {platform.node()}: {os.cpu_count()} CPUs "
+            f"({cpu});{load} Python {platform.python_version()}")
+
+
+def report(cells: list[Cell], notes: list[str], tool: str, duration: int, concurrencies: list[int],
+           worker_counts: list[int], litellm_workers: int = 1) -> None:
+    """``gateway xN / LiteLLM`` is a per-process ratio only where both run one process (x1, 1 worker)."""
+    by = {(c.target, c.stream, c.concurrency): c for c in cells}
     load_desc = ("wrk 1 thread, closed loop (N connections)" if tool == "wrk"
                  else "aiohttp client in a separate process, closed loop (N tasks)")
     print()
-    print(f"Load generator: {load_desc}; {duration:g} s per cell after a warm-up; "
-          f"{os.cpu_count()} CPUs ({cpu}); Python {platform.python_version()}.")
+    print(f"Load generator: {load_desc}; {duration:g} s per cell after a warm-up.")
+    print(host_line())
     for n in notes:
         print(n)
     print()
@@ -590,34 +693,51 @@ def report(cells: list[Cell], notes: list[str], tool: str, duration: int, concur
         print(f"| {c.target} | {'stream' if c.stream else 'json'} | {c.concurrency} | {c.rps:,.0f} | "
               f"{pct_fmt(c.p50_ms)} | {pct_fmt(c.p99_ms)} | {a50} | {a99} | {c.errors} |")
 
-    if any(c.target == "litellm" for c in cells):
-        print()
-        print("| mode | conc | gateway/LiteLLM req/s | LiteLLM/gateway added p50 | LiteLLM/gateway added p99 |")
-        print("|---|---|---|---|---|")
-        for stream in (False, True):
-            for conc in concurrencies:
-                d, g, lt = (by.get((t, stream, conc)) for t in ("direct", "gateway", "litellm"))
-                if not (d and g and lt):
-                    continue
+    def best(target: str, stream: bool) -> float:
+        return max((c.rps for c in cells if c.target == target and c.stream == stream), default=0.0)
 
-                def ratio(lv: float, gv: float) -> str:
-                    return f"{lv / gv:.1f}x" if gv > 0 else f"n/a (gateway added {gv:.2f} ms)"
-
-                print(f"| {'stream' if stream else 'json'} | {conc} | {g.rps / lt.rps:.1f}x | "
-                      f"{ratio(lt.p50_ms - d.p50_ms, g.p50_ms - d.p50_ms)} | "
-                      f"{ratio(lt.p99_ms - d.p99_ms, g.p99_ms - d.p99_ms)} |")
-    if any(c.target == "litellm" for c in cells):
+    gateways = [gateway_name(w) for w in worker_counts]
+    print()
+    print("Saturation (each target's best req/s over the concurrencies run):")
+    print()
+    names = ["direct", *gateways, *(["litellm"] if any(c.target == "litellm" for c in cells) else [])]
+    print("| mode | " + " | ".join(f"{n} max req/s" for n in names) + " |")
+    print("|---|" + "---|" * len(names))
+    for stream in (False, True):
+        print(f"| {'stream' if stream else 'json'} | " + " | ".join(f"{best(n, stream):,.0f}" for n in names) + " |")
+    if len(gateways) > 1:
         print()
-        print("Saturation (each target's best req/s over the concurrencies run: its throughput per process):")
-        print()
-        print("| mode | gateway max req/s | LiteLLM max req/s | gateway/LiteLLM |")
-        print("|---|---|---|---|")
+        print("| mode | " + " | ".join(f"{g} / {gateways[0]}" for g in gateways[1:]) + " |")
+        print("|---|" + "---|" * (len(gateways) - 1))
         for stream in (False, True):
-            best = {t: max((c.rps for c in cells if c.target == t and c.stream == stream), default=0.0)
-                    for t in ("gateway", "litellm")}
-            if best["gateway"] and best["litellm"]:
-                print(f"| {'stream' if stream else 'json'} | {best['gateway']:,.0f} | {best['litellm']:,.0f} | "
-                      f"{best['gateway'] / best['litellm']:.1f}x |")
+            print(f"| {'stream' if stream else 'json'} | " + " | ".join(
+                ratio_text(best(g, stream), best(gateways[0], stream), gateways[0]) for g in gateways[1:]) + " |")
+    if "litellm" in names:
+        print()
+        print("| mode | " + " | ".join(f"{g} / LiteLLM ({litellm_workers} worker(s)), best req/s"
+                                      for g in gateways) + " |")
+        print("|---|" + "---|" * len(gateways))
+        for stream in (False, True):
+            print(f"| {'stream' if stream else 'json'} | " + " | ".join(
+                ratio_text(best(g, stream), best("litellm", stream), "LiteLLM") for g in gateways) + " |")
+        print()
+        print("| gateway | mode | conc | gateway/LiteLLM req/s | LiteLLM/gateway added p50 "
+              "| LiteLLM/gateway added p99 |")
+        print("|---|---|---|---|---|---|")
+        for g_name in gateways:
+            for stream in (False, True):
+                for conc in concurrencies:
+                    d, g, lt = (by.get((t, stream, conc)) for t in ("direct", g_name, "litellm"))
+                    if not (d and g and lt):
+                        continue
+
+                    def ratio(lv: float, gv: float) -> str:
+                        return f"{lv / gv:.1f}x" if gv > 0 else f"n/a (gateway added {gv:.2f} ms)"
+
+                    print(f"| {g_name} | {'stream' if stream else 'json'} | {conc} | "
+                          f"{ratio_text(g.rps, lt.rps, 'LiteLLM')} | "
+                          f"{ratio(lt.p50_ms - d.p50_ms, g.p50_ms - d.p50_ms)} | "
+                          f"{ratio(lt.p99_ms - d.p99_ms, g.p99_ms - d.p99_ms)} |")
     if any(c.errors for c in cells):
         print("\nWARNING: some requests failed (errors column); their cells' figures exclude them.")
 

@@ -29,6 +29,7 @@ from proto.admin import (
     SqlReply,
     UserRow,
     WindowCosts,
+    WorkerMetrics,
 )
 from proto.codec import ProtoDecodeError, decode, decode_json, encode, encode_json
 from proto.fleet import EnergyReading, SlotHeartbeat
@@ -102,6 +103,7 @@ __all__ = [
     "UsageRecord",
     "UserRow",
     "WindowCosts",
+    "WorkerMetrics",
     "decode",
     "decode_json",
     "encode",

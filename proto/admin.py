@@ -43,6 +43,17 @@ class ConfigChanged(Message, frozen=True):
     config: dict[str, Any]
 
 
+# ---- llm.v1.gwmetrics.<group>: one gateway's workers → each other ----------------------------------------
+
+
+class WorkerMetrics(Message, frozen=True):
+    """A gateway worker's answer to an (empty) request on ``gateway_metrics(group)``: its label (``w0`` …)
+    and its own /metrics text, which the asking worker merges into one answer (services/gateway/worker_metrics.py)."""
+
+    worker: str
+    text: str
+
+
 # ---- llm.v1.accounting.sql: llmgw sql, tests → accounting --------------------------------------------
 
 

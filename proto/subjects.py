@@ -24,6 +24,7 @@ ACCOUNTING_COSTS = f"{PREFIX}.accounting.costs"
 AUTH_CHECK = f"{PREFIX}.auth.check"  # request/reply to the gateways, JSON: AuthCheck -> AuthReply
 QUOTA_ALL = f"{PREFIX}.quota.*"  # each gateway's LimitCounters (services/gateway/limits.py), see quota()
 CONFIG_CHANGED = f"{PREFIX}.config.changed"  # JSON ConfigChanged: a gateway saved the pools file; replicas reload it
+GATEWAY_METRICS_ALL = f"{PREFIX}.gwmetrics.*"  # request/reply among one gateway's workers, see gateway_metrics()
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -68,3 +69,9 @@ def usage(gateway_id: str) -> str:
 def quota(gateway_id: str) -> str:
     """LimitCounters."""
     return f"{PREFIX}.quota.{gateway_id}"
+
+
+def gateway_metrics(group: str) -> str:
+    """Request/reply among the worker processes of one ``llmgw gateway --workers N``: an empty request;
+    each worker answers with its own /metrics text (services/gateway/worker_metrics.py)."""
+    return f"{PREFIX}.gwmetrics.{group}"

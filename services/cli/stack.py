@@ -132,6 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"gateway port (default {DEFAULT_PORT})")
     parser.add_argument("--host", default=os.environ.get("LLMGW_HOST", "127.0.0.1"))
     parser.add_argument("--data-dir", help="data directory (default: $LLMGW_DATA_DIR or ./data)")
+    parser.add_argument("--gateway-workers", type=int, default=None, metavar="N",
+                        help="gateway processes on its port (default: $LLMGW_WORKERS, else one per core, at most 8; "
+                             "see llmgw gateway --workers)")
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -181,7 +184,9 @@ async def _run_stack(args: argparse.Namespace, data: Path, model: Path, model_id
             Child("engine", [*py, "services.engine", str(model), "--model-id", model_id, "--port", "0",
                           "--worker-id", engine_id],
                   env("engine", NINFER_API_KEY=engine_key)),
-            Child("gateway", [*py, "services.gateway", "--host", args.host, "--port", str(args.port)], env("gateway")),
+            Child("gateway", [*py, "services.gateway", "--host", args.host, "--port", str(args.port),
+                              *(["--workers", str(args.gateway_workers)] if args.gateway_workers is not None else [])],
+                  env("gateway")),
         ]
         for child in reversed(children):  # stop in reverse: gateway first, accounting last
             stack.push_async_callback(child.stop)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import socket
 import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
@@ -203,8 +204,13 @@ class _ServerLog(logging.LoggerAdapter[logging.Logger]):
 
 
 @contextlib.asynccontextmanager
-async def serving(app: web.Application, host: str, port: int, idle_timeout_s: float = 75.0) -> AsyncIterator[str]:
+async def serving(app: web.Application, host: str, port: int, idle_timeout_s: float = 75.0,
+                  reuse_port: bool = False, sock: socket.socket | None = None) -> AsyncIterator[str]:
     """Serve ``app`` on ``host:port`` (0 picks a free port) and yield its base URL; clean up on exit.
+
+    ``reuse_port`` binds with ``SO_REUSEPORT``, so several processes listen on one port and the kernel
+    spreads connections over them (``llmgw gateway --workers``); ``sock`` serves an already listening
+    socket instead (one a parent process handed down where ``SO_REUSEPORT`` is missing).
 
     Handlers are cancelled when their client disconnects, so upstream work can be aborted.
     ``idle_timeout_s`` is aiohttp's keep-alive timeout: it runs from the moment a connection opens until
@@ -215,7 +221,9 @@ async def serving(app: web.Application, host: str, port: int, idle_timeout_s: fl
                            logger=_ServerLog(logging.getLogger("aiohttp.server"), {}))
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        site: web.BaseSite = (web.SockSite(runner, sock) if sock is not None
+                              else web.TCPSite(runner, host, port, reuse_port=reuse_port or None))
+        await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         yield f"http://{bound_host}:{bound_port}"
     finally:

@@ -99,12 +99,13 @@ def engine_permissions(worker_id: str | None) -> dict[str, Any]:
 PERMISSIONS: dict[str, dict[str, Any]] = {
     "gateway": {
         "publish": {"allow": [f"{_P}.gen.*", f"{_P}.cancel.*", f"{_P}.embed.*", subjects.USAGE_SUBJECTS,
-                              subjects.QUOTA_ALL,
+                              subjects.QUOTA_ALL, subjects.GATEWAY_METRICS_ALL,
                               subjects.CONFIG_CHANGED, f"{_P}.accounting.>", f"$KV.{subjects.KV_IDENTITY}.>",
                               "$JS.ACK.>", "$JS.FC.>", *_COMMON_PUB],
                     "deny": _deny(_STREAM_UPDATE)},
         "subscribe": {"allow": [subjects.HEARTBEAT_ALL, subjects.AUTH_CHECK, subjects.CONFIG_CHANGED,
-                                subjects.QUOTA_ALL, f"$KV.{subjects.KV_IDENTITY}.>", _WORKERS_KV, *_COMMON_SUB]},
+                                subjects.QUOTA_ALL, subjects.GATEWAY_METRICS_ALL, f"$KV.{subjects.KV_IDENTITY}.>",
+                                _WORKERS_KV, *_COMMON_SUB]},
     },
     "engine": engine_permissions(None),
     "telemetry": {

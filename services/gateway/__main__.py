@@ -3,7 +3,8 @@
 What it wires: flags → ``GatewayConfig``, the pools file (``proto.pools``) → ``GatewayFileConfig``; one
 NATS connection (``services.common.bus``) → ``GatewayService`` (service.py, which wires the forwarder,
 the usage publisher, the pools file, the peers, heartbeat intake and the pages), served on its HTTP port
-until a signal under ``run_async_main``.
+until a signal under ``run_async_main``. With ``--workers N`` (N > 1) this process runs none of that itself: it
+supervises N worker processes that each do (services/gateway/workers.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from pathlib import Path
 
 from proto import pools as pool_config
@@ -25,6 +27,7 @@ from services.common.runtime import (
 )
 from services.gateway.auth import parse_networks
 from services.gateway.service import GatewayConfig, GatewayService
+from services.gateway.workers import MAX_DEFAULT_WORKERS, Supervisor, default_workers
 
 DEFAULT_PORT = 8080
 
@@ -52,6 +55,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loop-lag", type=float, default=GatewayConfig.max_loop_lag_s, metavar="SECONDS",
                         help="how late the event loop may wake before new inference requests are shed with 503 "
                              "(default %(default)s)")
+    parser.add_argument("--workers", type=int, default=_workers_from_env(), metavar="N",
+                        help="gateway processes on the one port, each a replica on the bus (default: $LLMGW_WORKERS, "
+                             f"else one per core, at most {MAX_DEFAULT_WORKERS}; 1: a single process)")
+    # set by the parent of --workers for each worker it starts (services/gateway/workers.py)
+    parser.add_argument("--worker-slot", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-group", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _workers_from_env() -> int:
+    text = os.environ.get("LLMGW_WORKERS", "").strip()
+    if not text:
+        return default_workers()
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError("LLMGW_WORKERS", f"must be a whole number, got {text!r}") from None
 
 
 def build_config(args: argparse.Namespace, file_config: pool_config.GatewayFileConfig | None = None) -> GatewayConfig:
@@ -65,6 +85,9 @@ def build_config(args: argparse.Namespace, file_config: pool_config.GatewayFileC
         raise ConfigError("max-in-flight", f"must be at least 1, got {args.max_in_flight}")
     if not args.max_loop_lag > 0:  # also refuses NaN
         raise ConfigError("max-loop-lag", f"must be > 0 seconds, got {args.max_loop_lag}")
+    if args.workers < 1:
+        raise ConfigError("workers", f"must be at least 1, got {args.workers}")
+    is_worker = args.worker_slot is not None and args.workers > 1
     trusted = [*args.trust_network, *(s for s in os.environ.get("LLMGW_TRUST_NETWORKS", "").split(",") if s.strip())]
     parse_networks(trusted)  # a bad CIDR is a ConfigError naming the flag
     return GatewayConfig(
@@ -75,19 +98,32 @@ def build_config(args: argparse.Namespace, file_config: pool_config.GatewayFileC
         stale_after_s=args.stale_after, config_path=Path(args.config) if args.config else None,
         data_dir=data_dir(args.data_dir), trusted_networks=tuple(trusted),
         max_in_flight=args.max_in_flight, max_loop_lag_s=args.max_loop_lag,
+        worker=f"w{args.worker_slot}" if is_worker else "", num_workers=args.workers if is_worker else 1,
+        worker_group=args.worker_group if is_worker else None,
+        reuse_port=is_worker and args.listen_fd is None, listen_fd=args.listen_fd if is_worker else None,
     )
 
 
+def _file_config(args: argparse.Namespace) -> pool_config.GatewayFileConfig | None:
+    if not args.config:
+        return None
+    path = Path(args.config)
+    if not path.is_file():
+        raise ConfigError("config", f"{path} does not exist (or is not a file)")
+    try:
+        return pool_config.load(path)
+    except ConfigError:
+        return None  # the service runs on the last good config and says why (pools_file.py)
+
+
+async def supervise(args: argparse.Namespace, argv: list[str]) -> None:
+    """``--workers N`` (N > 1): this process supervises N gateway processes (services/gateway/workers.py)."""
+    config = build_config(args, _file_config(args))  # every flag checked once, here, before any worker starts
+    await Supervisor(argv, args, args.workers, config.port).run()
+
+
 async def run(args: argparse.Namespace) -> None:
-    file_config = None
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise ConfigError("config", f"{path} does not exist (or is not a file)")
-        try:
-            file_config = pool_config.load(path)
-        except ConfigError:
-            file_config = None  # the service runs on the last good config and says why (pools_file.py)
+    file_config = _file_config(args)
     config = build_config(args, file_config)
     data = data_dir(args.data_dir)
     async with bus_session(nats_url_from_env(args.nats), f"gateway:{config.gateway_id}", data) as nc:
@@ -99,9 +135,16 @@ async def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="llmgw gateway")
-    add_arguments(parser)
+    try:
+        add_arguments(parser)
+    except ConfigError as exc:
+        parser.error(str(exc))
     args = parser.parse_args(argv)
     setup_logging()
+    if args.workers > 1 and args.worker_slot is None:
+        given = list(sys.argv[1:] if argv is None else argv)
+        run_async_main(lambda: supervise(args, given), "gateway")
+        return
     run_async_main(lambda: run(args), "gateway")
 
 

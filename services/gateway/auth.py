@@ -108,8 +108,10 @@ class Auth:
     """The gateway's identity rules over an :class:`IdentityStore` (see the module doc)."""
 
     def __init__(self, store: IdentityStore, trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (),
-                 max_concurrent_per_key: int = 64, gateway_id: str = "") -> None:
+                 max_concurrent_per_key: int = 64, gateway_id: str = "", usage_owner: str = "") -> None:
         self.store = store
+        # whose rows of the shared identity.db's limit_usage this process keeps: its worker label, "" alone
+        self.usage_owner = usage_owner
         self.gateway_id = gateway_id
         self.trusted = trusted
         # the pools file's local_networks while gateway.trust_local_networks is on (the Go gateway's LAN trust);
@@ -118,7 +120,7 @@ class Auth:
         self.max_concurrent_per_key = max_concurrent_per_key
         self.throttle = LoginThrottle()
         self.book = LimitBook()
-        self.book.restore(store.load_limit_usage())
+        self.book.restore(store.load_limit_usage(usage_owner))
         self._dirty = False
         self._open: collections.Counter[str] = collections.Counter()
 
@@ -208,7 +210,7 @@ class Auth:
 
     def save_usage(self) -> None:
         if self._dirty:
-            self.store.save_limit_usage(self.book.persistent())
+            self.store.save_limit_usage(self.book.persistent(), self.usage_owner)
             self._dirty = False
 
     # ---- pages ------------------------------------------------------------------------------------

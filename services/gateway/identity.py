@@ -599,15 +599,26 @@ class IdentityStore:
             f"ON CONFLICT ({columns[0]}) DO UPDATE SET {updates} WHERE excluded.updated_s > {table}.updated_s",
             [row[c] for c in columns])
         if cursor.rowcount <= 0:
+            stored = self.db.execute(f"SELECT updated_s FROM {table} WHERE {columns[0]} = ?",
+                                     (row[columns[0]],)).fetchone()
+            if stored is not None and stored[0] == row["updated_s"]:
+                # The file holds this very version already: written here, or by another process on the same
+                # file (a sibling worker of `llmgw gateway --workers`) that took it first. Our in-memory copy
+                # may predate it: without this a key that worker revoked kept working here until the next
+                # resync (15 s).
+                self._forget_cached(table, row)
             return False
-        self._updated_s = max(self._updated_s, float(row["updated_s"]))
+        self._forget_cached(table, row)
+        return True
+
+    def _forget_cached(self, table: str, row: dict[str, object]) -> None:
+        self._updated_s = max(self._updated_s, float(row["updated_s"]))  # type: ignore[arg-type]  # checked a number above
         if table == "users":
             self._users.pop(str(row["user_id"]), None)
         elif table == "limits":
             self.reload_limits()
         else:
             self.reload_keys()
-        return True
 
     # ---- limits (services/gateway/limits.py) -----------------------------------------------------------
 
@@ -670,17 +681,41 @@ class IdentityStore:
         return (Principal(user_principal(key.user_id), self.limits_of(user_principal(key.user_id))),
                 Principal(key_principal(key.lineage or key.key_id), own))
 
-    def load_limit_usage(self) -> dict[str, float]:
-        return dict(self.db.execute("SELECT counter, amount FROM limit_usage").fetchall())
+    def load_limit_usage(self, owner: str = "") -> dict[str, float]:
+        """The counters :meth:`save_limit_usage` saved for ``owner`` (a worker label; "" for a gateway of one
+        process, which takes every worker's rows, summed: it counts all their requests now). The first worker
+        (``w0``) also takes the rows a gateway of one process saved, so switching to workers forgets nothing."""
+        counters: dict[str, float] = {}
+        for counter, amount in self.db.execute("SELECT counter, amount FROM limit_usage"):
+            who, sep, name = counter.partition(_OWNER_SEP)
+            if not sep:  # a gateway of one process saved it
+                who, name = "", counter
+            if not owner or who == owner or (not who and owner == FIRST_WORKER):
+                counters[name] = counters.get(name, 0.0) + float(amount)
+        return counters
 
-    def save_limit_usage(self, counters: dict[str, float]) -> None:
-        """Replace this gateway's settled day and month counters (one transaction: old or new, never half)."""
+    def save_limit_usage(self, counters: dict[str, float], owner: str = "") -> None:
+        """Replace this gateway's settled day and month counters (one transaction: old or new, never half).
+
+        The worker processes of one gateway (``--workers``) share this file, and each counts only its own
+        requests (the others' arrive over the bus): each keeps its rows under its worker label, so one
+        worker's save never overwrites another's."""
+        rows = [(f"{owner}{_OWNER_SEP}{k}" if owner else k, v) for k, v in counters.items()]
         with self.db:
             self.db.execute("BEGIN")
-            self.db.execute("DELETE FROM limit_usage")
-            self.db.executemany("INSERT INTO limit_usage VALUES (?, ?)", list(counters.items()))
+            if not owner:  # a gateway of one process: it loaded every row
+                self.db.execute("DELETE FROM limit_usage")
+            else:
+                self.db.execute("DELETE FROM limit_usage WHERE substr(counter, 1, ?) = ?",
+                                (len(owner) + 1, owner + _OWNER_SEP))
+                if owner == FIRST_WORKER:  # it took over the rows of a gateway of one process
+                    self.db.execute("DELETE FROM limit_usage WHERE instr(counter, ?) = 0", (_OWNER_SEP,))
+            self.db.executemany("INSERT INTO limit_usage VALUES (?, ?)", rows)
 
 
+# limit_usage rows of one worker of several: "<worker><TAB><counter>" (a counter never holds a tab)
+_OWNER_SEP = "\t"
+FIRST_WORKER = "w0"
 _PRIVATE_DIR_MODE = 0o700
 _PRIVATE_FILE_MODE = 0o600
 

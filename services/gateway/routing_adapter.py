@@ -137,8 +137,12 @@ def prompt_tokens_estimate(parsed: openai_api.ParsedRequest) -> int:
 
 
 class Router:
-    def __init__(self, data_dir: Path | None, now_s: float, max_entries: int = 100_000) -> None:
-        self.dir = data_dir / "routing" if data_dir is not None else None
+    def __init__(self, data_dir: Path | None, now_s: float, max_entries: int = 100_000, worker: str = "") -> None:
+        """``worker``: one of several gateway processes on one data directory (``--workers``) keeps its tables
+        in ``routing/<worker>/`` (each learns from the requests it routes; one file each, so none overwrites
+        another's), and starts from the single process's ``routing/`` tables the first time."""
+        self.shared_dir = data_dir / "routing" if data_dir is not None else None
+        self.dir = self.shared_dir / worker if self.shared_dir is not None and worker else self.shared_dir
         self.max_entries = max_entries
         self.affinity = AffinityTable(max_entries=max_entries)
         self.pins = PinTable(max_entries=max_entries)
@@ -151,6 +155,8 @@ class Router:
         assert self.dir is not None
         for name, cls in (("affinity.json", AffinityTable), ("pins.json", PinTable)):
             path = self.dir / name
+            if not path.exists() and self.shared_dir is not None:
+                path = self.shared_dir / name  # a worker's first start: what the single process learnt
             if not path.exists():
                 continue
             try:

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,14 +31,15 @@ from typing import Any
 
 from aiohttp import web
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
-from proto import Usage, UsageRecord, subjects
+from proto import ProtoDecodeError, Usage, UsageRecord, WorkerMetrics, decode_json, encode_json, subjects
 from proto import pools as pool_config
 from services.common import openai_api
 from services.common.http import HTTPError, body_deadline_middleware, error_middleware, read_json_object, serving
 from services.common.prom import CONTENT_TYPE, PromText
 from services.common.runtime import HotPathLog, ThrottledLog, new_session_id
-from services.gateway import identity_signing, pools, routing_adapter
+from services.gateway import identity_signing, pools, routing_adapter, worker_metrics
 from services.gateway.auth import Admission, Auth, LimitExceeded, parse_networks, save_usage_periodically
 from services.gateway.fleet import Fleet, HeartbeatIntake
 from services.gateway.forwarder import ABORT_REPORT_WAIT_S, Forwarder, GatewayMetrics, Outcome
@@ -83,6 +85,14 @@ class GatewayConfig:
     # and how late the event loop may wake, before new requests get 503 gateway_overloaded
     max_in_flight: int = 4096
     max_loop_lag_s: float = 0.5
+    # one of several worker processes on one port (``llmgw gateway --workers``, services/gateway/workers.py):
+    # its label (w0 …; "" for a gateway of one process), how many there are, the group name their /metrics
+    # gather runs under, and how this one listens (SO_REUSEPORT, or a listening socket its parent handed down)
+    worker: str = ""
+    num_workers: int = 1
+    worker_group: str | None = None
+    reuse_port: bool = False
+    listen_fd: int | None = None
 
 
 class GatewayService:
@@ -99,10 +109,10 @@ class GatewayService:
         self.identity = IdentityStore(data / "identity")
         self.identity_sync = IdentitySync(nc, self.identity, config.gateway_id, identity_signing.fleet_secret(data))
         self.auth = Auth(self.identity, parse_networks(config.trusted_networks),
-                         file_config.limits.max_concurrent_per_key, config.gateway_id)
+                         file_config.limits.max_concurrent_per_key, config.gateway_id, usage_owner=config.worker)
         self.bootstrap: tuple[str, str] | None = None  # (admin password, API key) printed at a first start
         self.fleet = Fleet(config.gateway_id)
-        self.router = routing_adapter.Router(config.data_dir, time.time())
+        self.router = routing_adapter.Router(config.data_dir, time.time(), worker=config.worker)
         self.metrics = GatewayMetrics()
         self.shedder = LoadShedder(config.max_in_flight, config.max_loop_lag_s)
         self._quiet_log = ThrottledLog(log)  # per-request lines while a member or the bus is down
@@ -138,6 +148,9 @@ class GatewayService:
                 await self.nc.subscribe(subjects.AUTH_CHECK, cb=self.peers._on_auth_check),
                 await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self.pools_file._on_config_changed),
                 await self.nc.subscribe(subjects.QUOTA_ALL, cb=self.peers._on_limit_counters_elsewhere)]
+        if self.config.worker_group is not None:
+            subs.append(await self.nc.subscribe(subjects.gateway_metrics(self.config.worker_group),
+                                                cb=self._on_metrics_asked))
         await self.heartbeats.load_known_workers()
         await self.usage.start()
         async with self.http, asyncio.TaskGroup() as tasks:
@@ -249,7 +262,9 @@ class GatewayService:
 
     def serving(self) -> contextlib.AbstractAsyncContextManager[str]:
         """Serve :meth:`app` on the configured address with the gateway's connection timeouts."""
-        return serving(self.app(), self.config.host, self.config.port, idle_timeout_s=self.config.idle_timeout_s)
+        sock = socket.socket(fileno=self.config.listen_fd) if self.config.listen_fd is not None else None
+        return serving(self.app(), self.config.host, self.config.port, idle_timeout_s=self.config.idle_timeout_s,
+                       reuse_port=self.config.reuse_port, sock=sock)
 
     @web.middleware
     async def _body_limit(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -305,6 +320,52 @@ class GatewayService:
                                              self.pools_file.stale_after_s)
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        """This process's metrics; for one of several workers, every worker's (services/gateway/worker_metrics.py)."""
+        text = self._own_metrics()
+        if self.config.worker_group is not None:
+            texts = {self.config.worker: text, **await self._siblings_metrics()}
+            text = worker_metrics.merge(texts, self.config.num_workers)
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _on_metrics_asked(self, msg: Msg) -> None:
+        if msg.reply:
+            with contextlib.suppress(Exception):  # the asker gave up, or the bus is gone: it counts who answered
+                await msg.respond(encode_json(WorkerMetrics(worker=self.config.worker, text=self._own_metrics())))
+
+    async def _siblings_metrics(self, timeout_s: float = 2.0) -> dict[str, str]:
+        """The other workers' /metrics texts, by worker label: what arrives within ``timeout_s`` (fewer
+        while one restarts or the bus is down; the answer says how many it holds)."""
+        assert self.config.worker_group is not None  # only asked for by a worker
+        wanted = self.config.num_workers - 1
+        texts: dict[str, str] = {}
+        done = asyncio.Event()
+
+        async def on_reply(msg: Msg) -> None:
+            with contextlib.suppress(ProtoDecodeError):
+                reply = decode_json(msg.data, WorkerMetrics)
+                if reply.worker != self.config.worker:
+                    texts[reply.worker] = reply.text
+            if len(texts) >= wanted:
+                done.set()
+
+        try:
+            sub = await self.nc.subscribe(self.nc.new_inbox(), cb=on_reply)
+        except Exception as exc:  # the bus is down: this worker's own samples, said as 1 reporting
+            self._quiet_log.warning("metrics-gather", "the other workers' metrics not asked for: %s", exc)
+            return texts
+        try:
+            await self.nc.publish(subjects.gateway_metrics(self.config.worker_group), b"", reply=sub.subject)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await done.wait()
+        except Exception as exc:
+            self._quiet_log.warning("metrics-gather", "the other workers' metrics not asked for: %s", exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return dict(texts)
+
+    def _own_metrics(self) -> str:
         m = PromText()
         self.metrics.write(m)
         self.shedder.write(m)
@@ -334,7 +395,7 @@ class GatewayService:
         for row in rows:
             m.gauge("llmgw_member_stale", "1 while the member's newest heartbeat is older than its stale limit (or "
                     "none came).", 1 if row["stale"] else 0, {"pool": row["pool"], "member": row["member_id"]})
-        return web.Response(body=m.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+        return m.render()
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "chat.completions")

@@ -216,7 +216,7 @@ def telemetry_proc(nats_url: str, data_dir: Path, *extra: str) -> Proc:
 
 def gateway_proc(nats_url: str, data_dir: Path, config: Path | None = None) -> Proc:
     argv = [PYTHON, "-m", "services.gateway", "--nats", nats_url, "--port", "0", "--data-dir", str(data_dir),
-            "--gateway-id", "gwp"]
+            "--gateway-id", "gwp", "--workers", "1"]  # one process: the tests read its pid, memory and logs
     if config is not None:
         argv += ["--config", str(config)]
     return Proc(argv, "llmgw gateway ready", env={**os.environ, "LLMGW_LOG_LEVEL": "INFO"})
