@@ -15,9 +15,9 @@ import msgspec
 from aiohttp import web
 
 from proto import TokenChunk, TokenLogprob, Usage
-from services.common import openai_api
+from services.common import openai_api, responses_stream
 from services.common.http import HTTPError
-from services.common.tool_calls import ArgumentsPiece, CallStart, ParsedCall, ToolCallParser
+from services.common.tool_calls import ArgumentsPiece, CallStart, ParsedCall, new_parser
 
 _json = msgspec.json.Encoder()
 
@@ -46,6 +46,8 @@ def response_id(parsed: openai_api.ParsedRequest, request_id: str) -> str:
 
 async def respond(request: web.Request, parsed: openai_api.ParsedRequest, request_id: str,
                   chunks: AsyncIterator[TokenChunk], on_final: OnFinal, on_error: OnError) -> web.StreamResponse:
+    if parsed.endpoint == "responses":  # the Responses API's objects and events (responses_stream.py)
+        return await responses_stream.respond(request, parsed, request_id, chunks, on_final, on_error)
     if parsed.stream:
         return await _stream(request, parsed, request_id, chunks, on_final, on_error)
     return await _collect(parsed, request_id, chunks, on_final)
@@ -101,8 +103,8 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
     if parsed.endpoint == "chat.completions":
         await response.write(event(openai_api.stream_chunk(parsed, rid, created, role=True, text="")))
     # with tools: the text goes through the <tool_call> parser; calls go out as delta.tool_calls events
-    parser = (ToolCallParser(parallel_tool_calls=parsed.generate.parallel_tool_calls, incremental=True)
-              if parsed.parses_tool_calls else None)
+    parser = (new_parser(parsed.tool_format, parallel_tool_calls=parsed.generate.parallel_tool_calls,
+                         incremental=True) if parsed.parses_tool_calls else None)
     num_calls = 0
     try:
         async for chunk in chunks:

@@ -226,9 +226,20 @@ class ToolCallParser:
         return out
 
 
-def parse_tool_calls(text: str, *, parallel_tool_calls: bool = True) -> tuple[str | None, list[ParsedCall]]:
+HERMES = "hermes"  # Qwen3 / Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks
+TOOL_FORMATS = (HERMES,)
+
+
+def new_parser(tool_format: str = HERMES, *, parallel_tool_calls: bool = True,
+               incremental: bool = False) -> ToolCallParser:
+    """The parser for a model family's tool-call format (one of :data:`TOOL_FORMATS`)."""
+    return ToolCallParser(parallel_tool_calls=parallel_tool_calls, incremental=incremental)
+
+
+def parse_tool_calls(text: str, *, parallel_tool_calls: bool = True,
+                     tool_format: str = HERMES) -> tuple[str | None, list[ParsedCall]]:
     """A whole reply's content (None when only calls and whitespace) and its calls."""
-    parser = ToolCallParser(parallel_tool_calls=parallel_tool_calls)
+    parser = new_parser(tool_format, parallel_tool_calls=parallel_tool_calls)
     pieces = parser.push(text) + parser.finish()
     content = "".join(p for p in pieces if isinstance(p, str))
     return (content if content.strip() else None), [p for p in pieces if isinstance(p, ParsedCall)]

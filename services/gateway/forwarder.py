@@ -26,7 +26,7 @@ from aiohttp import web
 from nats.aio.client import Client
 
 from proto import TokenChunk
-from services.common import openai_api, openai_embeddings, openai_stream
+from services.common import openai_api, openai_embeddings, openai_responses, openai_stream
 from services.common.http import HTTPError
 from services.common.prom import E2E_BUCKETS_S, TTFT_BUCKETS_S, Histogram, PromText
 from services.common.runtime import ThrottledLog
@@ -196,6 +196,12 @@ class Forwarder:
         credentials_error: HTTPError | None = None  # a member refused the gateway's key: say so if none accepts
         for attempt, member_id in enumerate(decision.ranked):
             ref = refs[member_id]
+            if parsed.endpoint == "responses" and ref.kind == "http":
+                # the gateway translates /v1/responses for bus members only: its HTTP relay meters chat SSE
+                last_error = last_error or HTTPError(
+                    400, f"/v1/responses is served by the pool's bus engines only; member {member_id} is an HTTP "
+                    "member", code="model_not_supported", param="model")
+                continue
             if parsed.unsupported and ref.kind != "http":
                 # Asks for what our engines do not implement (tools, ...): HTTP members get the body as it came.
                 refusal = openai_api.unsupported_error(parsed, f"engine {member_id}")
@@ -432,6 +438,8 @@ class Forwarder:
                 return openai_api.ParsedRequest("embeddings", wanted.model, False, False,
                                                 openai_api.empty_generate(wanted.model),
                                                 unsupported=wanted.unsupported)
+            if endpoint == "responses":
+                return openai_responses.parse_responses(body)
             return openai_api.parse_request(body, endpoint)
         except openai_api.InvalidRequest as exc:
             raise HTTPError.bad_request(exc) from None

@@ -22,7 +22,7 @@ from aiohttp.typedefs import Handler
 from nats.aio.client import Client
 
 from proto import EnergySample, RequestTokens, TokenChunk, Usage, encode, subjects
-from services.common import openai_api, openai_embeddings, openai_stream
+from services.common import openai_api, openai_embeddings, openai_responses, openai_stream
 from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W, CounterLimits
 from services.common.http import HTTPError, error_middleware, read_json_object, serving
 from services.common.prom import CONTENT_TYPE
@@ -158,6 +158,7 @@ class EngineService:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model_id}", self.get_model)
         app.router.add_get("/health", self.health)
@@ -209,6 +210,10 @@ class EngineService:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completions")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API, translated onto the chat path (services/common/openai_responses.py)."""
+        return await self._serve(request, "responses")
+
     async def embeddings(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
         try:
@@ -233,7 +238,8 @@ class EngineService:
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         body = await read_json_object(request)
         try:
-            parsed = openai_api.parse_request(body, endpoint)
+            parsed = (openai_responses.parse_responses(body) if endpoint == "responses"
+                      else openai_api.parse_request(body, endpoint))
             if parsed.unsupported:
                 raise openai_api.unsupported_error(parsed, "ninfer-serve")
         except openai_api.InvalidRequest as exc:
