@@ -337,10 +337,10 @@ class ResponseBuilder:
         if finish_reason == "length":
             events = self._close("incomplete")
             self.status, self.incomplete_details = "incomplete", {"reason": "max_output_tokens"}
-            return events + [self._event("response.incomplete", response=self.response())]
+            return [*events, self._event("response.incomplete", response=self.response())]
         events = self._close()
         self.status = "completed"
-        return events + [self._event("response.completed", response=self.response())]
+        return [*events, self._event("response.completed", response=self.response())]
 
     def fail(self, error: ErrorInfo | None, message: str = "", code: str | None = None) -> list[dict[str, Any]]:
         """End with ``response.failed`` (the stream's status line was sent already)."""
@@ -348,7 +348,7 @@ class ResponseBuilder:
         self.status = "failed"
         self.error = {"code": (error.code if error else code) or "server_error",
                       "message": error.message if error else message}
-        return events + [self._event("response.failed", response=self.response())]
+        return [*events, self._event("response.failed", response=self.response())]
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:

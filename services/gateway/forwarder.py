@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import random
@@ -30,7 +31,7 @@ from services.common import openai_api, openai_embeddings, openai_responses, ope
 from services.common.http import HTTPError
 from services.common.prom import E2E_BUCKETS_S, TTFT_BUCKETS_S, Histogram, PromText
 from services.common.runtime import ThrottledLog
-from services.gateway import bus_backend, pools, routing, routing_adapter
+from services.gateway import bus_backend, capabilities, pools, routing, routing_adapter
 from services.gateway.breaker import FailureKind
 from services.gateway.errors import CREDENTIALS_REJECTED, MemberFailure, MemberUnavailable
 from services.gateway.fleet import Fleet
@@ -193,6 +194,7 @@ class Forwarder:
         outcome.meter.prompt_tokens_estimate = decision.request.prompt_tokens
         prompt_chars = routing_adapter.prompt_chars(parsed)
         last_error: HTTPError | None = None
+        needed = capabilities.required_features(parsed.generate) if parsed.endpoint != "embeddings" else []
         credentials_error: HTTPError | None = None  # a member refused the gateway's key: say so if none accepts
         for attempt, member_id in enumerate(decision.ranked):
             ref = refs[member_id]
@@ -201,6 +203,12 @@ class Forwarder:
                 last_error = last_error or HTTPError(
                     400, f"/v1/responses is served by the pool's bus engines only; member {member_id} is an HTTP "
                     "member", code="model_not_supported", param="model")
+                continue
+            if ref.kind != "http" and (missing := capabilities.missing_features(
+                    needed, self.fleet.record(member_id).heartbeat)):
+                param = capabilities.FEATURE_PARAM.get(missing[0])
+                last_error = last_error or HTTPError(400, capabilities.refusal_message(member_id, missing),
+                                                     code="model_not_supported", param=param)
                 continue
             if parsed.unsupported and ref.kind != "http":
                 # Asks for what our engines do not implement (tools, ...): HTTP members get the body as it came.
@@ -310,6 +318,9 @@ class Forwarder:
                                            gateway_id=self.gateway_id, api_key_id=api_key_id,
                                            deadline_s=time.time() + timeout_s)
         deadline_s = time.monotonic() + timeout_s
+        hb = self.fleet.record(ref.member_id).heartbeat
+        if hb is not None and hb.tool_call_format and hb.tool_call_format != parsed.tool_format:
+            parsed = dataclasses.replace(parsed, tool_format=hb.tool_call_format)  # how its model writes calls
         stream = await bus_backend.start(self.nc, ref.member_id, generate, self.pools_file.first_byte_timeout_s,
                                          self.chunk_timeout_s, self._liveness(ref.member_id), deadline_s)
         open_stream: bus_backend.BusStream | None = stream

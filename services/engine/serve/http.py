@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import hmac
 import logging
 import time
@@ -247,6 +248,7 @@ class EngineService:
         if parsed.model != self.core.model_id:
             raise HTTPError(404, f"model '{parsed.model}' does not exist (this engine serves "
                                  f"'{self.core.model_id}')", code="model_not_found", param="model")
+        parsed = dataclasses.replace(parsed, tool_format=self.core.tokenizer.tool_call_format)
         request_id = f"req-{uuid.uuid4().hex}"
         generate = msgspec.structs.replace(parsed.generate, request_id=request_id, gateway_id="http")
         try:
