@@ -60,8 +60,8 @@ def _text_of(content: Any, param: str) -> str:
         raise InvalidRequest(f"'{param}' must be a string or an array of input_text parts", param)
     parts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else None
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str) or kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise InvalidRequest(f"'{param}[{j}]' must be an input_text part (got {kind!r}): only text input is "
                                  "supported", f"{param}[{j}]", code="unsupported_parameter")
         parts.append(part["text"])
@@ -90,7 +90,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in _ROLES:
+            if not isinstance(role, str) or role not in _ROLES:
                 raise InvalidRequest(f"'{where}.role' must be one of {sorted(_ROLES)}", f"{where}.role")
             out.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
         elif kind == "function_call":

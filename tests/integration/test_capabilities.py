@@ -78,9 +78,9 @@ async def test_tools_and_schemas_go_only_to_members_that_declare_them(stack: Sta
             s = await c.chat.completions.create(model="tiny", messages=MESSAGES, response_format=SCHEMA,
                                                 max_tokens=100, seed=i)
             assert s.choices[0].finish_reason in ("stop", "length")
-            t = await c.responses.create(model="tiny", input="hi", tools=[
-                {"type": "function", "name": "f", "parameters": SCHEMA["json_schema"]["schema"]}], tool_choice="required",
-                max_output_tokens=300)
+            tool: Any = {"type": "function", "name": "f", "parameters": SCHEMA["json_schema"]["schema"]}
+            t = await c.responses.create(model="tiny", input="hi", tools=[tool], tool_choice="required",
+                                         max_output_tokens=300)
             assert t.output[0].type == "function_call", (t.status, t.output)
         assert received == []
         assert stack.gateway.metrics.failovers["w-old"] == 0
