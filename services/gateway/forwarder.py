@@ -196,25 +196,30 @@ class Forwarder:
         last_error: HTTPError | None = None
         needed = capabilities.required_features(parsed.generate) if parsed.endpoint != "embeddings" else []
         credentials_error: HTTPError | None = None  # a member refused the gateway's key: say so if none accepts
+        # a member passed over because it cannot serve this kind of request (capabilities.py): the answer only
+        # when no member was tried at all (one that was tried and is down makes it a 503: retry shortly)
+        skipped: HTTPError | None = None
+        attempted = False
         for attempt, member_id in enumerate(decision.ranked):
             ref = refs[member_id]
             if parsed.endpoint == "responses" and ref.kind == "http":
                 # the gateway translates /v1/responses for bus members only: its HTTP relay meters chat SSE
-                last_error = last_error or HTTPError(
+                skipped = skipped or HTTPError(
                     400, f"/v1/responses is served by the pool's bus engines only; member {member_id} is an HTTP "
                     "member", code="model_not_supported", param="model")
                 continue
             if ref.kind != "http" and (missing := capabilities.missing_features(
                     needed, self.fleet.record(member_id).heartbeat)):
                 param = capabilities.FEATURE_PARAM.get(missing[0])
-                last_error = last_error or HTTPError(400, capabilities.refusal_message(member_id, missing),
-                                                     code="model_not_supported", param=param)
+                skipped = skipped or HTTPError(400, capabilities.refusal_message(member_id, missing),
+                                               code="model_not_supported", param=param)
                 continue
             if parsed.unsupported and ref.kind != "http":
                 # Asks for what our engines do not implement (tools, ...): HTTP members get the body as it came.
                 refusal = openai_api.unsupported_error(parsed, f"engine {member_id}")
                 last_error = last_error or HTTPError.bad_request(refusal)
                 continue
+            attempted = True
             outcome.member_id = member_id
             outcome.routing_reason = decision.reason if attempt == 0 else f"failover:{decision.reason}"
             pending = max(0, prompt_chars - decision.affinity_chars(member_id))
@@ -286,6 +291,8 @@ class Forwarder:
             raise last_error
         if credentials_error is not None:
             raise credentials_error
+        if skipped is not None and not attempted:
+            raise skipped
         outcome.member_id = ""
         raise HTTPError(503, f"no engine of '{parsed.model}' can take the request right now; retry shortly",
                         code="no_backend_available", retry_after_s=5)

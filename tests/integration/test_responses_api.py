@@ -11,6 +11,7 @@ the text, unsupported features are 400s naming them, and the usage reaches the l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +20,11 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from proto import pools as pool_config
+from services.common.bus import connect
+from services.common.http import serving
+from services.common.nats_server import EmbeddedNatsServer
+from services.gateway.service import GatewayConfig, GatewayService
 from tests.integration.conftest import Stack
 from tests.integration.test_ninfer_serve import client, serve
 from tests.integration.test_tool_calling import ARGS
@@ -208,3 +214,24 @@ async def test_responses_through_the_gateway_to_a_bus_member_reach_the_ledger(st
     async with asyncio.timeout(120.0):  # the ledger ingests the gateway's records as they come
         while expected not in await rows():
             await asyncio.sleep(0.1)
+
+
+async def test_a_pool_of_http_members_answers_responses_with_a_400_naming_the_member(
+        nats_server: EmbeddedNatsServer, tmp_path: Path) -> None:
+    """The gateway translates /v1/responses for bus members only; an HTTP member is never sent one."""
+    pools_file = tmp_path / "pools.json"
+    pools_file.write_text(json.dumps({"model_pools": {"tiny": {"members": [
+        {"model_id": "tiny", "backend": "http://127.0.0.1:9"}]}}}))  # never contacted
+    async with contextlib.AsyncExitStack() as es:
+        nc = await connect(nats_server.url, "gateway")
+        es.push_async_callback(nc.drain)
+        gateway = GatewayService(nc, GatewayConfig(gateway_id="gw1", port=0, data_dir=tmp_path),
+                                 pool_config.load(pools_file))
+        await es.enter_async_context(gateway.running())
+        url = await es.enter_async_context(serving(gateway.app(), "127.0.0.1", 0))
+        assert gateway.bootstrap is not None
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key=gateway.bootstrap[1], max_retries=0)
+        with pytest.raises(openai.BadRequestError) as info:
+            await c.responses.create(model="tiny", input="hi")
+        assert info.value.code == "model_not_supported"
+        assert pool_config.member_id_for("http://127.0.0.1:9") in info.value.message
