@@ -348,10 +348,13 @@ class Llama3JsonParser:
                 out.append(self._buffer)
             self._buffer = ""
         elif self._mode == "calls":
-            self._stream(out)
+            self._stream(out, len(self._buffer) - len(text))
         return out
 
-    def _stream(self, out: list[Piece]) -> None:
+    def _stream(self, out: list[Piece], new_from: int) -> None:
+        """``new_from``: where this push's text starts in the buffer. An object can only have closed if a
+        ``}`` arrived since: only then is the object decoded (a call's arguments otherwise cost a decode of
+        the whole object per push)."""
         decoder = json.JSONDecoder()
         while True:
             if self._done_end >= 0:  # after a whole call object: a ";" and the next object, or the end
@@ -364,10 +367,14 @@ class Llama3JsonParser:
                     return  # not another call: the stream ends its calls here
                 self._obj_start = len(self._buffer) - len(after)
                 self._done_end = -1
+                new_from = self._obj_start
             region = self._buffer[self._obj_start:]
+            may_close = "}" in self._buffer[max(new_from, self._obj_start):]
             if self._args_start < 0:
                 m = _LLAMA3_PREFIX.match(region)
                 if m is None or region[m.end()] != "{":
+                    if not may_close:
+                        return  # may still become a call's start
                     try:
                         decoder.raw_decode(region)
                     except ValueError:
@@ -386,6 +393,8 @@ class Llama3JsonParser:
                     self._announced = True
                     out.append(CallStart(name))
             try:
+                if not may_close:
+                    raise ValueError("open")
                 obj, end = decoder.raw_decode(self._buffer, self._obj_start)
             except ValueError:  # the object is still open: the arguments so far
                 args = self._buffer[self._args_start:]
