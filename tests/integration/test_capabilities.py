@@ -84,6 +84,8 @@ async def test_tools_and_schemas_go_only_to_members_that_declare_them(stack: Sta
             assert t.output[0].type == "function_call", (t.status, t.output)
         assert received == []
         assert stack.gateway.metrics.failovers["w-old"] == 0
+        shown = {row["member_id"]: row["capabilities"] for row in stack.gateway.backends_view()}
+        assert shown["w-old"] is None and "tools" in shown["w1"]  # what /backends shows the operator
 
 
 async def test_a_pool_whose_only_member_lacks_the_feature_answers_400_naming_it(stack: Stack) -> None:
