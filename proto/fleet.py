@@ -10,6 +10,13 @@ EngineKind = Literal["native", "ninfer", "vllm", "llamacpp", "sglang", "stock"]
 WorkerState = Literal["ready", "draining", "stopped", "down"]
 # "engine_reported": the engine's own figures (an NInfer-class /usage daily Wh), relayed by telemetry
 EnergyMethod = Literal["counter", "power_integration", "estimated", "engine_reported", "unavailable"]
+# What a member serves beyond plain chat and completions (SlotHeartbeat.capabilities); a str on the wire, so a
+# newer engine's new name does not break an older gateway's decoding
+CAPABILITY_TOOLS = "tools"  # tools / tool_choice / parallel_tool_calls, tool_calls and tool turns in messages
+CAPABILITY_STRUCTURED_OUTPUTS = "structured_outputs"  # response_format, guided_*, structured_outputs
+CAPABILITY_EMBEDDINGS = "embeddings"
+CAPABILITY_REASONING = "reasoning"  # reasoning_content split out of the reply
+CAPABILITY_RESPONSES = "responses"  # /v1/responses on its own HTTP face
 
 
 
@@ -58,6 +65,13 @@ class SlotHeartbeat(Message, frozen=True):
     # "/server_info", "cache_config_info", "declared", "learned", "default", ...; docs/telemetry.md). Telemetry
     # fills it for the members it scrapes; our own engines' bus heartbeats leave it None.
     signal_sources: dict[str, str] | None = None
+    # Appended (issue #26): what the member serves beyond plain chat and completions (the CAPABILITY_* names).
+    # None: a member that does not say (an engine from before this field, which would silently ignore tools or
+    # response_format): the gateway sends it neither (services/gateway/capabilities.py).
+    capabilities: list[str] | None = None
+    # Appended: how the member's model writes tool calls ("hermes" | "llama3_json": services/common/
+    # tool_calls.py), which the gateway's parser of its bus replies follows; None: "hermes"
+    tool_call_format: str | None = None
 
 
 class EnergyReading(Message, frozen=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from proto import ChatMessage, Constraint, GenerateRequest, Timings, TokenChunk, TokenLogprob, Tool, ToolCall, Usage
@@ -28,6 +28,19 @@ class InvalidRequest(ValueError):
 
 
 @dataclass(frozen=True)
+class ResponsesOptions:
+    """What a Response object echoes back of its request."""
+
+    instructions: str | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the flat function tools as sent
+    tool_choice: Any = "auto"
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
+    metadata: dict[str, Any] = field(default_factory=dict)
+    max_output_tokens: int | None = None
+    user: str | None = None
+
+
+@dataclass(frozen=True)
 class ParsedRequest:
     endpoint: str  # "chat.completions" | "completions"
     model: str
@@ -43,12 +56,17 @@ class ParsedRequest:
     continuous_usage: bool = False
     # choices to generate (OpenAI's n); > 1 is also listed in ``unsupported`` for engines that cannot
     n: int = 1
+    # /v1/responses (services/common/openai_responses.py): what the Response object echoes of its request
+    responses: ResponsesOptions | None = None
+    # how the serving model writes tool calls (services/common/tool_calls.py TOOL_FORMATS): set by the face
+    # that knows the model (the engine from its template, the gateway from the member's heartbeat)
+    tool_format: str = "hermes"
 
     @property
     def parses_tool_calls(self) -> bool:
         """The reply's ``<tool_call>`` blocks become ``tool_calls`` (tools offered, tool_choice not none)."""
         g = self.generate
-        return self.endpoint == "chat.completions" and bool(g.tools) and g.tool_choice != "none"
+        return self.endpoint in ("chat.completions", "responses") and bool(g.tools) and g.tool_choice != "none"
 
 
 def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -554,7 +572,8 @@ def completion_body(
     blocks become ``message.tool_calls`` (ids from ``new_call_id``) and the rest the content."""
     body: dict[str, Any]
     if parsed.endpoint == "chat.completions" and parsed.parses_tool_calls and new_call_id is not None:
-        content, calls = parse_tool_calls(text, parallel_tool_calls=parsed.generate.parallel_tool_calls)
+        content, calls = parse_tool_calls(text, parallel_tool_calls=parsed.generate.parallel_tool_calls,
+                                          tool_format=parsed.tool_format)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [tool_call_body(c, new_call_id()) for c in calls]

@@ -15,9 +15,9 @@ import msgspec
 from aiohttp import web
 
 from proto import TokenChunk, TokenLogprob, Usage
-from services.common import openai_api
+from services.common import openai_api, responses_stream
 from services.common.http import HTTPError
-from services.common.tool_calls import ArgumentsPiece, CallStart, ParsedCall, ToolCallParser
+from services.common.tool_calls import ArgumentsPiece, CallStart, ParsedCall, new_parser
 
 _json = msgspec.json.Encoder()
 
@@ -46,6 +46,8 @@ def response_id(parsed: openai_api.ParsedRequest, request_id: str) -> str:
 
 async def respond(request: web.Request, parsed: openai_api.ParsedRequest, request_id: str,
                   chunks: AsyncIterator[TokenChunk], on_final: OnFinal, on_error: OnError) -> web.StreamResponse:
+    if parsed.endpoint == "responses":  # the Responses API's objects and events (responses_stream.py)
+        return await responses_stream.respond(request, parsed, request_id, chunks, on_final, on_error)
     if parsed.stream:
         return await _stream(request, parsed, request_id, chunks, on_final, on_error)
     return await _collect(parsed, request_id, chunks, on_final)
@@ -126,8 +128,8 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
     # per choice (n > 1: chunks carry their choice): legacy completions' logprobs count character offsets
     # across the whole completion; with tools the text goes through the <tool_call> parser
     text_offset = dict.fromkeys(range(parsed.n), 0)
-    parsers = {i: ToolCallParser(parallel_tool_calls=parsed.generate.parallel_tool_calls, incremental=True)
-               for i in range(parsed.n)} if parsed.parses_tool_calls else {}
+    parsers = {i: new_parser(parsed.tool_format, parallel_tool_calls=parsed.generate.parallel_tool_calls,
+                             incremental=True) for i in range(parsed.n)} if parsed.parses_tool_calls else {}
     num_calls = dict.fromkeys(range(parsed.n), 0)
     finals: dict[int, TokenChunk] = {}
     # the usage so far, for stream_options.continuous_usage_stats: the prompt as the acceptance chunk says

@@ -79,6 +79,19 @@ COMPLETION = {"type": "object", "required": ["model", "prompt"],
               "properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, **SAMPLING,
                              "echo": {"type": "boolean"}, "suffix": {"type": "string"},
                              "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
+# /v1/responses (openai_responses.py): the translated subset; items are checked by the parser (400 naming them)
+RESPONSES = {"type": "object", "required": ["model", "input"],
+             "properties": {"model": {"type": "string"},
+                            "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1,
+                                                                     "items": {"type": "object"}}]},
+                            "instructions": {"type": "string"}, "stream": {"type": "boolean"},
+                            "max_output_tokens": {"type": "integer", "minimum": 1},
+                            "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+                            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                            "tools": {"type": "array", "items": {"type": "object"}},
+                            "tool_choice": {"oneOf": [{"type": "string"}, {"type": "object"}]},
+                            "parallel_tool_calls": {"type": "boolean"}, "text": {"type": "object"},
+                            "metadata": {"type": "object"}}}
 _TOKENS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
 EMBEDDINGS = {"type": "object", "required": ["model", "input"],
               "properties": {"model": {"type": "string"},

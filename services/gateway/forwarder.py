@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import random
@@ -26,11 +27,11 @@ from aiohttp import web
 from nats.aio.client import Client
 
 from proto import TokenChunk
-from services.common import openai_api, openai_embeddings, openai_stream
+from services.common import openai_api, openai_embeddings, openai_responses, openai_stream
 from services.common.http import HTTPError
 from services.common.prom import E2E_BUCKETS_S, TTFT_BUCKETS_S, Histogram, PromText
 from services.common.runtime import ThrottledLog
-from services.gateway import bus_backend, pools, routing, routing_adapter
+from services.gateway import bus_backend, capabilities, pools, routing, routing_adapter
 from services.gateway.breaker import FailureKind
 from services.gateway.errors import CREDENTIALS_REJECTED, MemberFailure, MemberUnavailable
 from services.gateway.fleet import Fleet
@@ -193,14 +194,32 @@ class Forwarder:
         outcome.meter.prompt_tokens_estimate = decision.request.prompt_tokens
         prompt_chars = routing_adapter.prompt_chars(parsed)
         last_error: HTTPError | None = None
+        needed = capabilities.required_features(parsed.generate) if parsed.endpoint != "embeddings" else []
         credentials_error: HTTPError | None = None  # a member refused the gateway's key: say so if none accepts
+        # a member passed over because it cannot serve this kind of request (capabilities.py): the answer only
+        # when no member was tried at all (one that was tried and is down makes it a 503: retry shortly)
+        skipped: HTTPError | None = None
+        attempted = False
         for attempt, member_id in enumerate(decision.ranked):
             ref = refs[member_id]
+            if parsed.endpoint == "responses" and ref.kind == "http":
+                # the gateway translates /v1/responses for bus members only: its HTTP relay meters chat SSE
+                skipped = skipped or HTTPError(
+                    400, f"/v1/responses is served by the pool's bus engines only; member {member_id} is an HTTP "
+                    "member", code="model_not_supported", param="model")
+                continue
+            if ref.kind != "http" and (missing := capabilities.missing_features(
+                    needed, self.fleet.record(member_id).heartbeat)):
+                param = capabilities.FEATURE_PARAM.get(missing[0])
+                skipped = skipped or HTTPError(400, capabilities.refusal_message(member_id, missing),
+                                               code="model_not_supported", param=param)
+                continue
             if parsed.unsupported and ref.kind != "http":
                 # Asks for what our engines do not implement (tools, ...): HTTP members get the body as it came.
                 refusal = openai_api.unsupported_error(parsed, f"engine {member_id}")
                 last_error = last_error or HTTPError.bad_request(refusal)
                 continue
+            attempted = True
             outcome.member_id = member_id
             outcome.routing_reason = decision.reason if attempt == 0 else f"failover:{decision.reason}"
             pending = max(0, prompt_chars - decision.affinity_chars(member_id))
@@ -272,6 +291,8 @@ class Forwarder:
             raise last_error
         if credentials_error is not None:
             raise credentials_error
+        if skipped is not None and not attempted:
+            raise skipped
         outcome.member_id = ""
         raise HTTPError(503, f"no engine of '{parsed.model}' can take the request right now; retry shortly",
                         code="no_backend_available", retry_after_s=5)
@@ -304,6 +325,9 @@ class Forwarder:
                                            gateway_id=self.gateway_id, api_key_id=api_key_id,
                                            deadline_s=time.time() + timeout_s)
         deadline_s = time.monotonic() + timeout_s
+        hb = self.fleet.record(ref.member_id).heartbeat
+        if hb is not None and hb.tool_call_format and hb.tool_call_format != parsed.tool_format:
+            parsed = dataclasses.replace(parsed, tool_format=hb.tool_call_format)  # how its model writes calls
         stream = await bus_backend.start(self.nc, ref.member_id, generate, self.pools_file.first_byte_timeout_s,
                                          self.chunk_timeout_s, self._liveness(ref.member_id), deadline_s)
         open_stream: bus_backend.BusStream | None = stream
@@ -432,6 +456,8 @@ class Forwarder:
                 return openai_api.ParsedRequest("embeddings", wanted.model, False, False,
                                                 openai_api.empty_generate(wanted.model),
                                                 unsupported=wanted.unsupported)
+            if endpoint == "responses":
+                return openai_responses.parse_responses(body)
             return openai_api.parse_request(body, endpoint)
         except openai_api.InvalidRequest as exc:
             raise HTTPError.bad_request(exc) from None

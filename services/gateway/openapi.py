@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.openapi_spec import CHAT, COMPLETION, EMBEDDINGS, get, model_path, post
+from services.common.openapi_spec import CHAT, COMPLETION, EMBEDDINGS, RESPONSES, get, model_path, post
 from services.common.openapi_spec import document as build
 
 _SESSION = [{"name": "X-Session-Id", "in": "header", "required": False, "schema": {"type": "string"},
@@ -23,6 +23,8 @@ def document() -> dict[str, Any]:
         "/v1/completions": post("Text completion", COMPLETION, parameters=_SESSION),
         "/v1/embeddings": post("Embeddings, from the pool's members that serve them (ours all do; a member "
                                "that cannot answers 400 model_not_supported)", EMBEDDINGS, parameters=_SESSION),
+        "/v1/responses": post("Responses API (text, function tools, text.format; streamed events) for the pool's "
+                              "bus members, translated onto the chat path", RESPONSES, parameters=_SESSION),
         "/v1/models": get("Pools and aliases clients can name"),
         "/v1/models/{model_id}": model_path("One pool"),
         "/health": get("Liveness and bus connection"),

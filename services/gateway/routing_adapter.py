@@ -242,6 +242,8 @@ class Router:
             "waiting": hb.waiting if hb else None, "kv_usage": hb.kv_usage if hb else None,
             "load_score": load, "no_signal": load is None,
             "signal_sources": hb.signal_sources if hb else None,
+            # what the member serves beyond plain chat (services/gateway/capabilities.py); None: it does not say
+            "capabilities": hb.capabilities if hb else None,
             "load_history": list(rec.load_history), "heartbeat_age_s": age,
             "stale": age is None or age > stale_limit_s(hb, stale_after_s), "in_flight": rec.in_flight,
             "energy_today_wh": hb.energy_today_wh if hb else None,

@@ -249,6 +249,7 @@ class GatewayService:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model_id}", self.get_model)
         app.router.add_get("/health", self.health)
@@ -405,6 +406,10 @@ class GatewayService:
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "embeddings")
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API for bus members (translated onto the chat path: openai_responses.py)."""
+        return await self._serve(request, "responses")
 
     async def explain(self, request: web.Request) -> web.Response:
         """Dry-run the router on a chat/completions body: the candidates, their scores and why."""

@@ -57,20 +57,27 @@ MODEL = st.sampled_from(["m", "nope"]) | st.text(max_size=20) | JSON
 # A valid request of each kind: the "one hostile field" cases change exactly one thing in it.
 VALID = {"chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
          "completion": {"model": "m", "prompt": "hi", "max_tokens": 4},
-         "embeddings": {"model": "m", "input": "hi"}}
+         "embeddings": {"model": "m", "input": "hi"},
+         "responses": {"model": "m", "input": "hi", "max_output_tokens": 4}}
+RESPONSES_FIELDS = {"instructions": HOSTILE, "tools": HOSTILE, "tool_choice": HOSTILE, "text": HOSTILE,
+                    "max_output_tokens": NUMBER, "temperature": NUMBER, "top_p": NUMBER, "stream": st.booleans() | JSON,
+                    "metadata": JSON, "previous_response_id": JSON}
 # Where the hostile value goes: a top-level field, a field of the first message, or a field nobody knows.
 PLACES = {"chat": [("model",), ("messages",), ("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"),
                    ("messages", 0, "name"), ("messages", 0, "tool_calls"), *((f,) for f in FIELDS)],
           "completion": [("model",), ("prompt",), ("suffix",), ("echo",), *((f,) for f in FIELDS)],
-          "embeddings": [("model",), ("input",), ("encoding_format",), ("dimensions",), ("user",)]}
+          "embeddings": [("model",), ("input",), ("encoding_format",), ("dimensions",), ("user",)],
+          "responses": [("model",), ("input",), *((f,) for f in RESPONSES_FIELDS)]}
 DELETE = object()  # the field is left out
 
 
 def _bodies(kind: str) -> st.SearchStrategy[Any]:
     main = {"chat": {"messages": st.lists(MESSAGE, max_size=4) | JSON},
             "completion": {"prompt": st.text() | JSON},
-            "embeddings": {"input": st.text() | st.lists(st.text(), max_size=3) | JSON}}[kind]
-    shaped = st.fixed_dictionaries({"model": MODEL, **main}, optional=FIELDS)
+            "embeddings": {"input": st.text() | st.lists(st.text(), max_size=3) | JSON},
+            "responses": {"input": st.text() | st.lists(MESSAGE | JSON, max_size=3) | JSON}}[kind]
+    shaped = st.fixed_dictionaries({"model": MODEL, **main},
+                                   optional=RESPONSES_FIELDS if kind == "responses" else FIELDS)
     return shaped | JSON
 
 
@@ -91,7 +98,8 @@ def _one_hostile_field(data: st.DataObject, kind: str) -> dict[str, Any]:
     return body
 
 
-POSTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embeddings"}
+POSTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embeddings",
+         "/v1/responses": "responses"}
 RAW = st.binary(max_size=300) | st.text(max_size=300).map(lambda t: t.encode("utf-8", "surrogatepass"))
 # Most cases are a valid, authenticated request with one hostile field, so that many get past validation
 # and are served (the 200 path is fuzzed too); the rest are schema-shaped or raw bytes, with or without a key.

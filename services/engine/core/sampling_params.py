@@ -22,7 +22,10 @@ _MAX_SEED = 2**64 - 1
 
 # "tool_call" / "tool_calls": a forced tool call (one / one or more ``<tool_call>`` blocks), spec from
 # ``tool_prompt.tool_call_schema``; never on the wire (the engine derives it from the request's tool_choice)
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call", "tool_calls")
+# "json_tool_call" / "json_tool_calls": the same in Llama 3's form (the reply is the call JSON, several
+# separated by "; ")
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call", "tool_calls",
+                    "json_tool_call", "json_tool_calls")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -72,6 +72,16 @@ def tool_call_grammar(call_schema: str, *, parallel: bool) -> str:
             f"tool_calls_root ::= tool_call_block{more}\n")
 
 
+def json_tool_call_grammar(call_schema: str, *, parallel: bool) -> str:
+    """EBNF (root rule ``tool_calls_root``) for Llama 3's calls: the reply is one call JSON matching
+    ``call_schema``, or one or more separated by ``"; "`` when ``parallel`` (what vLLM's llama3_json parser
+    splits on)."""
+    schema = json.dumps(bounded_strings_as_patterns(json.loads(call_schema)))
+    call_json = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+    more = ' ("; " root)*' if parallel else ""
+    return f"{call_json}\ntool_calls_root ::= root{more}\n"
+
+
 class GrammarCache:
     """Compiles :class:`StructuredOutput` values for one tokenizer and keeps the results (LRU).
 
@@ -109,7 +119,7 @@ class GrammarCache:
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports bad input as these
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             first_line = _XGRAMMAR_LOG_PREFIX.sub("", first_line)  # "[14:06:34] /project/cpp/x.cc:12: "
-            field = "tools" if constraint.kind in ("tool_call", "tool_calls") else "response_format"
+            field = "tools" if "tool_call" in constraint.kind else "response_format"
             raise InvalidParameterError(field, constraint.kind,
                                         f"cannot be compiled into a grammar: {first_line[:300]}") from None
         self.compile_s_total += time.perf_counter() - start
@@ -138,6 +148,9 @@ class GrammarCache:
         if c.kind in ("tool_call", "tool_calls"):  # tool_choice required / named: spec is tool_call_schema's
             return self._compiler.compile_grammar(tool_call_grammar(c.spec, parallel=c.kind == "tool_calls"),
                                                   root_rule_name="tool_calls_root")
+        if c.kind in ("json_tool_call", "json_tool_calls"):  # the same, in Llama 3's form
+            return self._compiler.compile_grammar(
+                json_tool_call_grammar(c.spec, parallel=c.kind == "json_tool_calls"), root_rule_name="tool_calls_root")
         raise ValueError(f"unknown constraint kind {c.kind!r}")
 
     def matcher(self, constraint: StructuredOutput) -> xgr.GrammarMatcher:

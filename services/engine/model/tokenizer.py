@@ -25,6 +25,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from services.common.tool_calls import HERMES, LLAMA3_JSON, PYTHON_TAG
 from services.engine.errors import ChatTemplateError, ModelLoadError
 from services.engine.model.tool_prompt import fold_tools
 
@@ -129,6 +130,17 @@ class Tokenizer:
         self.stop_token_ids: tuple[int, ...] = tuple(stop)
         self.chat_template_source = chat_template
         self._chat_template = None if chat_template is None else compile_chat_template(chat_template)
+
+    @property
+    def tool_call_format(self) -> str:
+        """How this model writes tool calls (services/common/tool_calls.py): Llama 3.x's JSON form when its
+        template is Llama 3's (it renders tool results as ``ipython`` turns, or knows ``<|python_tag|>``, and
+        asks for ``"parameters"``), else the Qwen3 / Hermes ``<tool_call>`` blocks (also what a template that
+        ignores tools gets written into its prompt: tool_prompt.py)."""
+        source = self.chat_template_source or ""
+        if ("ipython" in source or PYTHON_TAG in source) and '"parameters"' in source:
+            return LLAMA3_JSON
+        return HERMES
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:

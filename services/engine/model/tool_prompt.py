@@ -82,14 +82,15 @@ def fold_tools(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[st
     return out
 
 
-def tool_call_schema(tools: Sequence[tuple[str, str]]) -> str:
-    """The JSON schema of one Qwen3/Hermes call to one of ``tools`` (name, parameters schema as JSON text):
-    ``{"name": <one of the names>, "arguments": <that tool's parameters>}``."""
+def tool_call_schema(tools: Sequence[tuple[str, str]], arguments_key: str = "arguments") -> str:
+    """The JSON schema of one call to one of ``tools`` (name, parameters schema as JSON text):
+    ``{"name": <one of the names>, "arguments": <that tool's parameters>}`` (Qwen3/Hermes; Llama 3 names the
+    arguments ``"parameters"``: ``arguments_key``)."""
     def arguments(parameters: str) -> Any:
         schema = json.loads(parameters)
         # the arguments are an object whatever the schema left open (an empty schema allows any JSON)
         return {**schema, "type": "object"} if isinstance(schema, dict) and "type" not in schema else schema
 
-    cases = [{"type": "object", "properties": {"name": {"const": name}, "arguments": arguments(parameters)},
-              "required": ["name", "arguments"]} for name, parameters in tools]
+    cases = [{"type": "object", "properties": {"name": {"const": name}, arguments_key: arguments(parameters)},
+              "required": ["name", arguments_key]} for name, parameters in tools]
     return json.dumps(cases[0] if len(cases) == 1 else {"anyOf": cases})

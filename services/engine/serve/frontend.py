@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from proto import ChatMessage, ErrorInfo, GenerateRequest, Timings, TokenChunk, TokenLogprob, Tool, TopLogprob, Usage
+from services.common.tool_calls import HERMES, LLAMA3_JSON
 from services.engine.core.sampling_params import SamplingParams, StructuredOutput, ThinkingParams
 from services.engine.errors import (
     ContextLengthExceededError,
@@ -134,7 +135,7 @@ def template_tool(t: Tool) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def tool_structured_output(req: GenerateRequest) -> StructuredOutput | None:
+def tool_structured_output(req: GenerateRequest, tool_format: str = HERMES) -> StructuredOutput | None:
     """The grammar a ``required`` or named ``tool_choice`` imposes (None for auto / none): the reply is
     ``<tool_call>`` blocks whose JSON names one of the tools (the named one) with arguments matching its
     ``parameters`` (one block, or one or more with ``parallel_tool_calls``; a named choice is one call)."""
@@ -142,6 +143,9 @@ def tool_structured_output(req: GenerateRequest) -> StructuredOutput | None:
         return None
     tools = [t for t in req.tools if req.tool_choice == "required" or t.name == req.tool_choice_name]
     parallel = req.parallel_tool_calls and req.tool_choice == "required"
+    if tool_format == LLAMA3_JSON:  # the reply is the call JSON itself, {"name": ..., "parameters": ...}
+        return StructuredOutput(kind="json_tool_calls" if parallel else "json_tool_call", strict=True,
+                                spec=tool_call_schema([(t.name, t.parameters) for t in tools], "parameters"))
     return StructuredOutput(kind="tool_calls" if parallel else "tool_call",
                             spec=tool_call_schema([(t.name, t.parameters) for t in tools]), strict=True)
 
@@ -169,7 +173,7 @@ def error_info(exc: BaseException) -> ErrorInfo:
 
 
 def sampling_params(req: GenerateRequest, max_context: int, num_prompt_tokens: int,
-                    thinking: ThinkingParams | None = None) -> SamplingParams:
+                    thinking: ThinkingParams | None = None, tool_format: str = HERMES) -> SamplingParams:
     max_tokens = req.max_tokens if req.max_tokens is not None else max(1, max_context - num_prompt_tokens)
     return SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
@@ -177,8 +181,9 @@ def sampling_params(req: GenerateRequest, max_context: int, num_prompt_tokens: i
         logprobs=req.logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
         # a forced tool call's grammar wins over response_format (that shapes a text answer, and there is none)
-        structured=tool_structured_output(req) or (None if (c := req.constraint) is None else StructuredOutput(
-            kind=c.kind, spec=c.spec, strict=c.strict, choices=tuple(c.choices))),
+        structured=tool_structured_output(req, tool_format) or (
+            None if (c := req.constraint) is None
+            else StructuredOutput(kind=c.kind, spec=c.spec, strict=c.strict, choices=tuple(c.choices))),
         min_p=req.min_p, logit_bias=tuple(sorted(req.logit_bias.items())), thinking=thinking,
     )
 
@@ -197,7 +202,8 @@ def prepare_request(core: PromptEncoder, req: GenerateRequest) -> tuple[list[int
         thinking = thinking_params(core, req, text, kwargs["enable_thinking"] is not False)
     else:
         prompt_ids = encode_prompt(core, req.prompt or "")
-    return prompt_ids, sampling_params(req, core.max_context, len(prompt_ids), thinking)
+    return prompt_ids, sampling_params(req, core.max_context, len(prompt_ids), thinking,
+                                       core.tokenizer.tool_call_format)
 
 
 def reasoning_splitter(params: SamplingParams) -> ReasoningSplitter | None:

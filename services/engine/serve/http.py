@@ -23,7 +23,7 @@ from aiohttp.typedefs import Handler
 from nats.aio.client import Client
 
 from proto import EnergySample, RequestTokens, TokenChunk, Usage, encode, subjects
-from services.common import openai_api, openai_embeddings, openai_stream
+from services.common import openai_api, openai_embeddings, openai_responses, openai_stream
 from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W, CounterLimits
 from services.common.http import HTTPError, error_middleware, read_json_object, serving
 from services.common.prom import CONTENT_TYPE
@@ -160,6 +160,7 @@ class EngineService:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model_id}", self.get_model)
         app.router.add_get("/health", self.health)
@@ -211,6 +212,10 @@ class EngineService:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completions")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API, translated onto the chat path (services/common/openai_responses.py)."""
+        return await self._serve(request, "responses")
+
     async def embeddings(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
         try:
@@ -235,7 +240,8 @@ class EngineService:
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         body = await read_json_object(request)
         try:
-            parsed = openai_api.parse_request(body, endpoint)
+            parsed = (openai_responses.parse_responses(body) if endpoint == "responses"
+                      else openai_api.parse_request(body, endpoint))
             # n > 1, echo and suffix are served here (not yet over the bus: the gateway sends those elsewhere)
             refused = tuple(name for name in parsed.unsupported if name not in openai_api.ENGINE_SERVES)
             if refused:
@@ -253,6 +259,7 @@ class EngineService:
         if echo and parsed.generate.logprobs is not None:
             raise HTTPError(400, "'echo' with 'logprobs' needs the prompt's logprobs, which this engine does not "
                                  "compute: send one of the two", code="unsupported_parameter", param="echo")
+        parsed = dataclasses.replace(parsed, tool_format=self.core.tokenizer.tool_call_format)
         request_id = f"req-{uuid.uuid4().hex}"
         generate = msgspec.structs.replace(parsed.generate, request_id=request_id, gateway_id="http")
         if endpoint == "completions" and body.get("suffix"):

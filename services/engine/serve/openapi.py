@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.openapi_spec import CHAT, COMPLETION, EMBEDDINGS, get, model_path, post
+from services.common.openapi_spec import CHAT, COMPLETION, EMBEDDINGS, RESPONSES, get, model_path, post
 from services.common.openapi_spec import document as build
 
 
@@ -16,6 +16,8 @@ def document() -> dict[str, Any]:
         "/v1/completions": post("Text completion", COMPLETION),
         "/v1/embeddings": post("Embeddings: the last (or mean, --pooling) final hidden state, L2-normalised",
                                EMBEDDINGS),
+        "/v1/responses": post("Responses API (text, function tools, text.format; streamed events), on the chat "
+                              "path", RESPONSES),
         "/v1/models": get("The one model this engine serves", ("401",)),
         "/v1/models/{model_id}": model_path("The model, by id"),
         "/health": get("ok, or 503 when the engine's step loop failed", ("503",)),

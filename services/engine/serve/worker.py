@@ -39,7 +39,13 @@ from proto import (
     encode,
     subjects,
 )
-from proto.fleet import WorkerState
+from proto.fleet import (
+    CAPABILITY_EMBEDDINGS,
+    CAPABILITY_RESPONSES,
+    CAPABILITY_STRUCTURED_OUTPUTS,
+    CAPABILITY_TOOLS,
+    WorkerState,
+)
 from services.common.runtime import new_session_id, raise_if_cancelling
 from services.engine.errors import DeadlineExceededError, EngineError
 from services.engine.outputs import RequestOutput
@@ -52,6 +58,11 @@ log = logging.getLogger(__name__)
 MIN_HEARTBEAT_SPACING_S = 0.05  # on-change heartbeats are rate-limited to 20 Hz
 # How long a cancelled request waits for the engine's count of what it used (one step, normally ms).
 ABORT_REPORT_TIMEOUT_S = 8.0
+
+
+# What this engine serves beyond plain chat and completions (SlotHeartbeat.capabilities: the gateway sends
+# tools and structured outputs only to members that say so)
+ENGINE_CAPABILITIES = (CAPABILITY_TOOLS, CAPABILITY_STRUCTURED_OUTPUTS, CAPABILITY_EMBEDDINGS, CAPABILITY_RESPONSES)
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,7 @@ class BusWorker:
             prompt_tokens_hit_total=s.num_prompt_tokens_hit, prefill_tok_per_s=snap.prefill_tok_per_s,
             decode_tok_per_s=snap.decode_tok_per_s, heartbeat_interval_s=self.config.heartbeat_interval_s,
             kv_capacity_tokens=snap.kv_capacity_tokens,
+            capabilities=list(ENGINE_CAPABILITIES), tool_call_format=self.engine.core.tokenizer.tool_call_format,
         )
 
     async def _publish_heartbeat(self) -> None:
