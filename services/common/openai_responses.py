@@ -33,7 +33,9 @@ _REFUSED: dict[str, Callable[[Any], bool]] = {
     "prompt": lambda v: v is not None,  # stored prompt templates
     "include": lambda v: bool(v),
     "top_logprobs": lambda v: v not in (None, 0),
-    "reasoning": lambda v: v is not None,
+    # reasoning.effort is taken (the thinking budget, as chat's reasoning_effort); a summary we cannot write
+    "reasoning": lambda v: v is not None and (not isinstance(v, dict) or v.get("summary") is not None
+                                             or v.get("generate_summary") is not None),
     "max_tool_calls": lambda v: v is not None,
     "truncation": lambda v: v not in (None, "disabled"),
     "context_management": lambda v: v is not None,
@@ -45,7 +47,7 @@ _TRANSLATED = frozenset({"model", "input", "instructions", "tools", "tool_choice
                          "max_output_tokens", "temperature", "top_p", "stream"})
 # vLLM's Responses endpoint takes its sampling extensions too; these go to the chat path as they are
 _SAMPLING_EXTRAS = frozenset({"seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                              "frequency_penalty", "stop", "ignore_eos", "min_tokens"})
+                              "frequency_penalty", "stop", "ignore_eos", "min_tokens", "logit_bias"})
 _KNOWN = frozenset(_REFUSED) | _INFORMATIONAL | _TRANSLATED | _SAMPLING_EXTRAS
 _CHAT_TO_RESPONSES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
                       "messages": "input"}
@@ -196,6 +198,8 @@ def parse_responses(body: dict[str, Any]) -> ParsedRequest:
         chat["response_format"] = response_format
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
+    if isinstance(body.get("reasoning"), dict) and body["reasoning"].get("effort") is not None:
+        chat["reasoning_effort"] = body["reasoning"]["effort"]
     try:
         parsed = parse_request(chat, "chat.completions")
     except InvalidRequest as exc:  # the chat parser names chat fields: say them in the Responses spelling
@@ -203,8 +207,10 @@ def parse_responses(body: dict[str, Any]) -> ParsedRequest:
         head = (param or "").split(".")[0].split("[")[0]
         if param is not None and head in _CHAT_TO_RESPONSES:
             param = _CHAT_TO_RESPONSES[head]
-        raise InvalidRequest(str(exc).replace("max_completion_tokens", "max_output_tokens"), param,
-                             exc.code) from None
+        if param == "reasoning_effort":
+            param = "reasoning.effort"
+        raise InvalidRequest(str(exc).replace("max_completion_tokens", "max_output_tokens")
+                             .replace("reasoning_effort", "reasoning.effort"), param, exc.code) from None
     user = body.get("user")
     options = ResponsesOptions(
         instructions=body.get("instructions"), tools=tools,
@@ -215,9 +221,10 @@ def parse_responses(body: dict[str, Any]) -> ParsedRequest:
                                responses=options)
 
 
-def usage_body(usage: Usage | None, reasoning_tokens: int = 0) -> dict[str, Any] | None:
+def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     if usage is None:
         return None
+    reasoning_tokens = usage.reasoning_tokens
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
@@ -257,7 +264,9 @@ class ResponseBuilder:
             "background": False, "error": self.error, "incomplete_details": self.incomplete_details,
             "instructions": o.instructions, "max_output_tokens": o.max_output_tokens, "model": self.parsed.model,
             "output": [dict(item) for item in self.output], "parallel_tool_calls": g.parallel_tool_calls,
-            "previous_response_id": None, "reasoning": None, "store": False, "temperature": g.temperature,
+            "previous_response_id": None, "store": False,
+            "reasoning": None if g.reasoning_effort is None else {"effort": g.reasoning_effort, "summary": None},
+            "temperature": g.temperature,
             "text": {"format": o.text_format}, "tool_choice": o.tool_choice, "tools": o.tools, "top_p": g.top_p,
             "truncation": "disabled", "usage": self.usage, "user": o.user, "metadata": o.metadata,
         }
@@ -272,6 +281,10 @@ class ResponseBuilder:
             return []
         index = len(self.output) - 1
         item["status"] = status
+        if item["type"] == "reasoning":
+            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            return [self._event("response.reasoning_text.done", **ids, text=item["content"][0]["text"]),
+                    self._event("response.output_item.done", output_index=index, item=_copy(item))]
         if item["type"] == "message":
             part = item["content"][0]
             ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
@@ -302,6 +315,22 @@ class ResponseBuilder:
         self._open["content"][0]["text"] += text
         events.append(self._event("response.output_text.delta", item_id=self._open_id(),
                                   output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=[]))
+        return events
+
+    def reasoning(self, text: str) -> list[dict[str, Any]]:
+        """A thinking model's ``<think>`` block (TokenChunk.reasoning): one ``reasoning`` item before the answer,
+        its text as ``reasoning_text`` content (as vLLM's Responses endpoint writes it; no summary)."""
+        if not text:
+            return []
+        events: list[dict[str, Any]] = []
+        if self._open is None or self._open["type"] != "reasoning":
+            events += self._close()
+            events += self._add({"type": "reasoning", "id": self._new_id("rs"), "summary": [],
+                                 "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"})
+        assert self._open is not None
+        self._open["content"][0]["text"] += text
+        events.append(self._event("response.reasoning_text.delta", item_id=self._open_id(),
+                                  output_index=len(self.output) - 1, content_index=0, delta=text))
         return events
 
     def _open_id(self) -> str:

@@ -65,8 +65,9 @@ async def respond(request: web.Request, parsed: openai_api.ParsedRequest, reques
     ttft_ms: float | None = None
     if not parsed.stream:
         async for chunk in chunks:
-            if chunk.text and ttft_ms is None:
+            if (chunk.text or chunk.reasoning) and ttft_ms is None:
                 ttft_ms = (time.monotonic() - started) * 1000.0
+            builder.reasoning(chunk.reasoning)
             for piece in pieces.of(chunk):
                 builder.piece(piece)
             if chunk.is_final:
@@ -89,7 +90,7 @@ async def respond(request: web.Request, parsed: openai_api.ParsedRequest, reques
     tail: list[dict[str, Any]] = []
     try:
         async for chunk in chunks:
-            events: list[dict[str, Any]] = []
+            events: list[dict[str, Any]] = builder.reasoning(chunk.reasoning)
             for piece in pieces.of(chunk):
                 events += builder.piece(piece)
             if events and ttft_ms is None:

@@ -11,21 +11,25 @@ HTTP members are not judged by this: they get the client's body as it came and a
 from __future__ import annotations
 
 from proto import GenerateRequest, SlotHeartbeat
-from proto.fleet import CAPABILITY_STRUCTURED_OUTPUTS, CAPABILITY_TOOLS
+from proto.fleet import CAPABILITY_REASONING, CAPABILITY_STRUCTURED_OUTPUTS, CAPABILITY_TOOLS
 
 # the request field a missing feature is reported under (the 400's ``param``)
-FEATURE_PARAM = {CAPABILITY_TOOLS: "tools", CAPABILITY_STRUCTURED_OUTPUTS: "response_format"}
+FEATURE_PARAM = {CAPABILITY_TOOLS: "tools", CAPABILITY_STRUCTURED_OUTPUTS: "response_format",
+                 CAPABILITY_REASONING: "reasoning_effort"}
 
 
 def required_features(generate: GenerateRequest) -> list[str]:
     """What serving ``generate`` takes beyond plain generation: ``tools`` when tools are offered or the
     messages hold calls or tool results (an older engine drops those fields), ``structured_outputs`` for a
-    constraint."""
+    constraint, ``reasoning`` for a thinking budget or template variables (an older engine would think
+    without bound, or with thinking on when the client turned it off)."""
     needed = []
     if generate.tools or any(m.tool_calls or m.tool_call_id is not None for m in generate.messages or ()):
         needed.append(CAPABILITY_TOOLS)
     if generate.constraint is not None:
         needed.append(CAPABILITY_STRUCTURED_OUTPUTS)
+    if generate.reasoning_effort is not None or generate.chat_template_kwargs:
+        needed.append(CAPABILITY_REASONING)
     return needed
 
 

@@ -191,3 +191,35 @@ async def test_a_constrained_answer_follows_the_unconstrained_reasoning(thinking
             assert message.model_extra["reasoning_content"]  # free text: the grammar waited for </think>
             assert reply.usage.completion_tokens_details.reasoning_tokens == 5  # type: ignore[union-attr]
             assert message.content in ("yes", "no") and reply.choices[0].finish_reason == "stop"
+
+
+async def test_the_responses_api_returns_the_think_block_as_a_reasoning_item_streamed_and_not(
+        thinking_model: Path, tmp_path: Path) -> None:
+    """/v1/responses on a thinking model: a ``reasoning`` output item (reasoning_text content) before the
+    message, ``reasoning.effort`` is the thinking budget, usage counts the reasoning tokens; the stream's
+    reasoning_text deltas add up to the item's text."""
+    async with serve(thinking_model, tmp_path, reasoning_budget_tokens=(4, 8, 16)) as s:
+        c = client(s.url)
+        args = {"model": "tiny", "input": "What is 6 times 7?", "max_output_tokens": 24, "temperature": 0,
+                "reasoning": {"effort": "low"},
+                "extra_body": {"ignore_eos": True, "logit_bias": {str(_end_id(s)): -100}}}
+        reply = await c.responses.create(**args)  # type: ignore[call-overload]
+        kinds = [item.type for item in reply.output]
+        assert kinds[0] == "reasoning" and "message" in kinds, kinds
+        thought = reply.output[0].content[0].text  # type: ignore[union-attr]
+        assert thought and "<think>" not in thought and "</think>" not in reply.output_text
+        assert reply.usage is not None and reply.usage.output_tokens_details.reasoning_tokens == 5  # 4 + </think>
+        assert reply.reasoning is not None and reply.reasoning.effort == "low"
+
+        stream = await c.responses.create(stream=True, **args)  # type: ignore[call-overload]
+        deltas, done = "", None
+        async for event in stream:
+            if event.type == "response.reasoning_text.delta":
+                deltas += event.delta
+            elif event.type in ("response.completed", "response.incomplete"):  # cut by max_output_tokens
+                done = event.response
+        assert done is not None and deltas == done.output[0].content[0].text == thought  # type: ignore[union-attr]
+
+        with pytest.raises(openai.BadRequestError) as refused:  # a summary we cannot write: named, not ignored
+            await c.responses.create(model="tiny", input="hi", reasoning={"effort": "low", "summary": "auto"})
+        assert "reasoning" in str(refused.value)

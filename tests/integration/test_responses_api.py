@@ -167,7 +167,8 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input[0].content[0]"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning"),  # effort alone is the thinking budget
+    ({"reasoning": {"effort": "maximal"}}, "reasoning.effort"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"max_output_tokens": 0}, "max_output_tokens"),

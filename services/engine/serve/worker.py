@@ -41,6 +41,7 @@ from proto import (
 )
 from proto.fleet import (
     CAPABILITY_EMBEDDINGS,
+    CAPABILITY_REASONING,
     CAPABILITY_RESPONSES,
     CAPABILITY_STRUCTURED_OUTPUTS,
     CAPABILITY_TOOLS,
@@ -62,7 +63,8 @@ ABORT_REPORT_TIMEOUT_S = 8.0
 
 # What this engine serves beyond plain chat and completions (SlotHeartbeat.capabilities: the gateway sends
 # tools and structured outputs only to members that say so)
-ENGINE_CAPABILITIES = (CAPABILITY_TOOLS, CAPABILITY_STRUCTURED_OUTPUTS, CAPABILITY_EMBEDDINGS, CAPABILITY_RESPONSES)
+ENGINE_CAPABILITIES = (CAPABILITY_TOOLS, CAPABILITY_STRUCTURED_OUTPUTS, CAPABILITY_EMBEDDINGS, CAPABILITY_RESPONSES,
+                       CAPABILITY_REASONING)
 
 
 @dataclass(frozen=True)

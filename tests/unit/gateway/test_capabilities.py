@@ -29,3 +29,15 @@ def test_a_heartbeat_that_declares_nothing_lacks_everything_asked() -> None:
     assert missing_features(needed, _hb(["tools"])) == ["structured_outputs"]
     assert missing_features(needed, _hb(["tools", "structured_outputs", "embeddings"])) == []
     assert missing_features([], _hb(None)) == []  # plain requests go anywhere
+
+
+def test_a_thinking_budget_or_template_variables_need_reasoning() -> None:
+    """An engine from before reasoning would ignore reasoning_effort (think without bound) and
+    chat_template_kwargs (think though the client turned it off)."""
+    effort = GenerateRequest(request_id="r", model="m", reasoning_effort="low")
+    kwargs = GenerateRequest(request_id="r", model="m", chat_template_kwargs={"enable_thinking": False})
+    assert required_features(effort) == required_features(kwargs) == ["reasoning"]
+    assert missing_features(["reasoning"], _hb(["tools"])) == ["reasoning"]
+    from services.engine.serve.worker import ENGINE_CAPABILITIES
+
+    assert "reasoning" in ENGINE_CAPABILITIES  # our engine declares it
