@@ -143,9 +143,9 @@ async def run(args: argparse.Namespace) -> None:
         model = Path(args.model).resolve() if args.model else default_model(data)
         model_id = args.model_id or model.name
         credentials = _bootstrap_identity(data)
-        shown = False
+        shown: list[bool] = []  # set once the banner (with any credentials) is out, however the stack ends after
         try:
-            shown = await _run_stack(args, data, model, model_id, credentials)
+            await _run_stack(args, data, model, model_id, credentials, shown)
         finally:
             if credentials is not None and not shown:
                 # the admin and the first key exist now; a later start will not show them again
@@ -153,8 +153,9 @@ async def run(args: argparse.Namespace) -> None:
 
 
 async def _run_stack(args: argparse.Namespace, data: Path, model: Path, model_id: str,
-                     credentials: tuple[str, str] | None) -> bool:
-    """Start everything, print the banner, supervise; True once the banner (with any credentials) is out."""
+                     credentials: tuple[str, str] | None, shown: list[bool]) -> None:
+    """Start everything, print the banner (then ``shown`` holds True: a Ctrl-C later does not repeat the
+    credentials as unshown), supervise."""
     engine_key = _engine_key(data)
     # one id for the engine across restarts (its ledger rows and bus subjects); the embedded bus lets the engine
     # user speak for this id only
@@ -188,7 +189,7 @@ async def _run_stack(args: argparse.Namespace, data: Path, model: Path, model_id
                               *(["--workers", str(args.gateway_workers)] if args.gateway_workers is not None else [])],
                   env("gateway")),
         ]
-        for child in reversed(children):  # stop in reverse: gateway first, accounting last
+        for child in children:  # the exit stack runs its callbacks last-in first: gateway first, accounting last
             stack.push_async_callback(child.stop)
         for child in children:
             await child.start()
@@ -209,8 +210,8 @@ async def _run_stack(args: argparse.Namespace, data: Path, model: Path, model_id
                                 "accounting_url": accounting_url, "model_id": model_id, "pid": os.getpid()})
         stack.callback(lambda: (data / "stack.json").unlink(missing_ok=True))
         print(_banner(gateway_url, accounting_url, model_id, url, data, credentials), flush=True)
+        shown.append(True)
         await _supervise(waits, server)
-    return True
 
 
 @contextlib.contextmanager

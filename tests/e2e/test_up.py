@@ -97,6 +97,8 @@ def test_llmgw_up_serves_a_request_records_usage_and_stops_everything(tiny_model
     stack.reader.join(5)
     assert proc.returncode == 0, stack.output[-3000:]
     assert "Traceback" not in stack.output, stack.output[-3000:]  # every service stops cleanly
+    # the banner showed the first start's credentials: a Ctrl-C after it does not claim the stack never came up
+    assert "did not come up" not in stack.output, stack.output[-3000:]
     leftovers = [pid for pid in children if _alive(pid)]
     assert leftovers == [], f"processes left running after Ctrl-C: {leftovers}"
     # After the stack stopped, the ledger is still queryable straight from the file.
