@@ -15,6 +15,7 @@ Every failure is a ModelLoadError whose reason is one line naming the file, key 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -29,6 +30,7 @@ from services.engine.model.model import MLP, CausalLM, DecoderLayer, MoE, prepac
 from services.engine.model.model_config import DTYPES, ModelConfig
 from services.engine.model.mtp_head import MTP_PREFIX, MTPHead
 from services.engine.model.quant.formats import dequantize, stored_tensors
+from services.engine.model.quant.kernel_weight import build_kernel_weight
 from services.engine.model.quant.linear import PackedPart, QuantizedLinear
 from services.engine.model.quant.scheme import QuantConfig, WeightScheme
 
@@ -37,6 +39,8 @@ QUANT_DEQUANT_MODES: tuple[QuantDequant, ...] = ("load", "per-product")
 # Linear layers a quantization_config can cover (checkpoint leaf names); fused in the model as noted.
 _FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
           "up_proj": "gate_up", "down_proj": "down"}
+
+log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -66,7 +70,8 @@ def load_model(
     model = CausalLM(config, dtype=target_dtype, device=device, backend=backend)
     expected = _expected_shapes(config)
     if config.quant is not None:
-        _load_quantized(root, files, config, config.quant, model, expected, target_dtype, quant_dequant)
+        _load_quantized(root, files, config, config.quant, model, expected, target_dtype, quant_dequant, backend,
+                        torch.device(device))
     _copy_tensors(root, files, expected, lambda name: _destination(model, config, name), target_dtype)
     prepack_linear_weights(model.linear_weights())
     return model.eval(), config
@@ -88,11 +93,14 @@ def quantized_layers(config: ModelConfig) -> dict[str, WeightScheme]:
 
 
 def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quant: QuantConfig, model: CausalLM,
-                    expected: dict[str, tuple[int, ...]], dtype: torch.dtype, mode: QuantDequant) -> None:
+                    expected: dict[str, tuple[int, ...]], dtype: torch.dtype, mode: QuantDequant,
+                    backend: Backend = "torch", device: torch.device | None = None) -> None:
     """Read every quantized layer's stored tensors; remove its ``.weight`` from ``expected`` (a dense read).
 
     ``load``: dequantise into the model's dense weight (one layer at a time: no second full copy).
-    ``per-product``: keep the stored tensors on the layer (fused parts together) and free the dense weight.
+    ``per-product``: keep the stored tensors on the layer (fused parts together) and free the dense weight;
+    on the ``triton`` backend they are rearranged into the Triton GEMMs' layouts on ``device`` (kernel_weight.py)
+    and each product dequantises in the tile (a layer no kernel takes stays on the torch path, logged).
     The lm_head, where a checkpoint quantizes it, is always dequantised here (it multiplies once per step).
     """
     layers = quantized_layers(config)
@@ -150,8 +158,15 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
             raise ModelLoadError(str(root), f"layer {index}'s {fused} projections are partly quantized "
                                             "(per-product dequantisation needs all or none)")
         state = QuantizedLinear(act_group=group, parts=tuple(packed) if packed else None)
+        if backend == "triton" and packed is not None:
+            try:
+                state = QuantizedLinear(act_group=group, kernel=build_kernel_weight(
+                    tuple(packed), group, device if device is not None else torch.device("cpu")))
+            except ValueError as exc:
+                log.warning("quantized layer %d %s stays on the torch path: %s", index, fused, exc)
         _attach(model, index, fused, state)
-        model.has_quantized_forward |= state.act_group is not None or state.parts is not None
+        model.has_quantized_forward |= state.act_group is not None or state.parts is not None \
+            or state.kernel is not None
 
 
 def _fused_key(module: str) -> tuple[int, str]:
@@ -169,7 +184,7 @@ def _attach(model: CausalLM, index: int, fused: str, state: QuantizedLinear) -> 
     owner: torch.nn.Module = layer.self_attn if fused in ("qkv", "o") else layer.mlp
     weight_attr = f"{fused}_weight"
     setattr(owner, f"{fused}_quant", state)
-    if state.parts is not None:
+    if state.parts is not None or state.kernel is not None:
         dense = getattr(owner, weight_attr)
         # an empty tensor of the same dtype and device: QuantizedLinear.weight() takes its dtype from it
         setattr(owner, weight_attr, torch.nn.Parameter(dense.new_empty((0, 0)), requires_grad=False))

@@ -101,9 +101,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def qlinear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             quant: QuantizedLinear | None) -> torch.Tensor:
     """:func:`linear` of a layer that may be quantized: its input rounded as the checkpoint asks (W8A8), its
-    weight dequantised now when the layer keeps it packed (``--quant-dequant per-product``)."""
+    weight dequantised now when the layer keeps it packed (``--quant-dequant per-product``), or the Triton
+    GEMM that dequantises in the tile when the layer has a kernel form (triton backend, per-product)."""
     if quant is None:
         return linear(x, weight, bias)
+    if quant.kernel is not None:
+        y = quant.kernel.matmul(x)
+        return y if bias is None else y + bias
     return linear(quant.input(x), quant.weight(weight), bias)
 
 
