@@ -30,7 +30,7 @@ from services.engine.model.model import MLP, CausalLM, DecoderLayer, MoE, prepac
 from services.engine.model.model_config import DTYPES, ModelConfig
 from services.engine.model.mtp_head import MTP_PREFIX, MTPHead
 from services.engine.model.quant.formats import dequantize, stored_tensors
-from services.engine.model.quant.kernel_weight import build_kernel_weight
+from services.engine.model.quant.kernel_weight import build_expert_weights, build_kernel_weight
 from services.engine.model.quant.linear import PackedPart, QuantizedLinear
 from services.engine.model.quant.scheme import QuantConfig, WeightScheme
 
@@ -108,6 +108,7 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
         return
     act_groups: dict[tuple[int, str], set[int | None]] = {}
     parts: dict[tuple[int, str], list[PackedPart]] = {}
+    expert_parts: dict[tuple[int, str], dict[tuple[int, int], PackedPart]] = {}
     with ExitStack() as stack:
         handles: dict[str, object] = {}
 
@@ -125,12 +126,16 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
         for module, scheme in layers.items():
             name = f"{module}.weight"
             shape = cast(tuple[int, int], expected.pop(name))
-            is_expert = ".experts." in module or ".shared_expert." in module
-            if is_expert and (mode != "load" or scheme.act_dynamic_fp8 is not None):
-                raise ModelLoadError(str(root), f"{module}: quantized expert weights are dequantised at load only, "
-                                                "without activation quantisation (use --quant-dequant load; W8A8 "
-                                                "experts are not supported yet)")
-            if module == "lm_head" or mode == "load":
+            is_routed = ".experts." in module
+            is_expert = is_routed or ".shared_expert." in module
+            if is_expert and scheme.act_dynamic_fp8 is not None:
+                raise ModelLoadError(str(root), f"{module}: quantized expert weights with activation quantisation "
+                                                "(W8A8 experts) are not supported yet")
+            if is_routed and mode != "load" and backend != "triton":
+                raise ModelLoadError(str(root), f"{module}: quantized expert weights are dequantised at load only "
+                                                "on the torch backend (use --quant-dequant load; the triton "
+                                                "backend's fused-MoE kernel takes them packed)")
+            if module == "lm_head" or mode == "load" or (is_expert and not is_routed):
                 try:
                     weight = dequantize(scheme, get, module, shape)
                 except ValueError as exc:
@@ -146,8 +151,14 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
                     part.dequantize()  # validates shapes and dtypes now, not at the first request
                 except ValueError as exc:
                     raise ModelLoadError(str(root), str(exc)) from exc
+                if is_routed:
+                    layer_index, projection, expert, slot = _expert_key(module)
+                    expert_parts.setdefault((layer_index, projection), {})[(expert, slot)] = part
+                    continue
                 parts.setdefault(_fused_key(module), []).append(part)
             act_groups.setdefault(_fused_key(module), set()).add(scheme.act_dynamic_fp8)
+    for (index, projection), by_expert in expert_parts.items():
+        _attach_experts(model, config, index, projection, by_expert, dtype, device)
     for (index, fused), groups in act_groups.items():
         if len(groups) != 1:
             raise ModelLoadError(str(root), f"layer {index}'s {fused} projections quantize their input differently "
@@ -167,6 +178,39 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
         _attach(model, index, fused, state)
         model.has_quantized_forward |= state.act_group is not None or state.parts is not None \
             or state.kernel is not None
+
+
+def _expert_key(module: str) -> tuple[int, str, int, int]:
+    """``model.layers.<i>.<mlp|block_sparse_moe>.experts.<e>.<proj>`` → (i, "gate_up" | "down", e, slot)."""
+    parts = module.split(".")
+    projection, slot = {"gate_proj": ("gate_up", 0), "w1": ("gate_up", 0), "up_proj": ("gate_up", 1),
+                        "w3": ("gate_up", 1), "down_proj": ("down", 0), "w2": ("down", 0)}[parts[6]]
+    return int(parts[2]), projection, int(parts[5]), slot
+
+
+def _attach_experts(model: CausalLM, config: ModelConfig, index: int, projection: str,
+                    by_expert: dict[tuple[int, int], PackedPart], dtype: torch.dtype,
+                    device: torch.device | None) -> None:
+    """Give layer ``index``'s MoE its ``projection`` experts in the fused-MoE kernel's packed layout and free the
+    dense weight; when not every expert is quantized alike (or no tile fits), dequantise them into it instead."""
+    moe = cast(DecoderLayer, model.layers[index]).mlp
+    assert isinstance(moe, MoE) and config.moe is not None
+    num_experts, num_slots = config.moe.num_experts, 2 if projection == "gate_up" else 1
+    keys = [(e, s) for e in range(num_experts) for s in range(num_slots)]
+    try:
+        if any(k not in by_expert for k in keys):
+            raise ValueError("some experts are not quantized")
+        stacked = build_expert_weights([tuple(by_expert[(e, s)] for s in range(num_slots))
+                                        for e in range(num_experts)], device or torch.device("cpu"))
+    except ValueError as exc:
+        log.warning("layer %d's %s experts are dequantised at load: %s", index, projection, exc)
+        for part in by_expert.values():
+            _destination(model, config, f"{part.prefix}.weight").copy_(part.dequantize().to(dtype))
+        return
+    setattr(moe, f"{projection}_experts", stacked)
+    dense = getattr(moe, f"{projection}_weight")
+    setattr(moe, f"{projection}_weight", torch.nn.Parameter(dense.new_empty((0, 0, 0)), requires_grad=False))
+    model.has_quantized_forward = True
 
 
 def _fused_key(module: str) -> tuple[int, str]:

@@ -14,18 +14,22 @@ output dimension) and moved to the model's device:
 
 Whatever a kernel cannot take (a K the tiles do not divide, mixed formats in one fused product) raises
 ValueError at build; the loader then keeps the layer on the torch per-product path and says why.
+:func:`build_expert_weights` stacks an MoE projection's experts the same way for the fused-MoE kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from services.engine.model.quant.formats import AWQ_REVERSE_ORDER, unpack_int32
 from services.engine.model.quant.linear import PackedPart, fp8_quantize
 from services.engine.model.quant.scheme import WeightFormat
+
+if TYPE_CHECKING:
+    from services.engine.kernels.fused_moe import ExpertWeights
 
 _BLOCK_KS = (64, 32, 16)
 
@@ -240,3 +244,40 @@ def build_kernel_weight(parts: tuple[PackedPart, ...], act_group: int | None,
     moved = tuple(type(op)(**{f: (v.to(device) if isinstance(v, torch.Tensor) else v)  # type: ignore[arg-type]
                               for f, v in vars(op).items()}) for op in ops)
     return KernelWeight(ops=moved, act_group=act_group)
+
+
+def build_expert_weights(experts: list[tuple[PackedPart, ...]], device: torch.device | str) -> ExpertWeights:
+    """One MoE projection's experts (each: its parts, e.g. gate then up) stacked into the fused-MoE kernel's
+    layout (kernels/fused_moe.py ExpertWeights) on ``device``; ValueError when the experts' layouts differ or
+    no tile fits."""
+    from services.engine.kernels.fused_moe import ExpertWeights
+
+    ops: list[IntOp | Nvfp4Op | Fp8Op] = []
+    for parts in experts:
+        merged: IntOp | Nvfp4Op | Fp8Op | None = None
+        for part in parts:
+            op = _part_op(part)
+            merged = op if merged is None else _merge(merged, op)
+            if merged is None:
+                raise ValueError(f"{part.prefix}: the expert's parts have different layouts")
+        assert merged is not None
+        ops.append(merged)
+    kinds = {type(op) for op in ops}
+    if len(kinds) != 1:
+        raise ValueError(f"experts mix layouts: {sorted(k.__name__ for k in kinds)}")
+
+    def stack(name: str) -> torch.Tensor:
+        tensors = [getattr(op, name) for op in ops]
+        if len({tuple(t.shape) for t in tensors}) != 1 or len({t.dtype for t in tensors}) != 1:
+            raise ValueError(f"experts' {name} tensors differ in shape or dtype")
+        return torch.stack(tensors).to(device)
+
+    first = ops[0]
+    if isinstance(first, Fp8Op):
+        k = first.weight.shape[1]
+        _block_k(k, k // first.scale.shape[1])
+        return ExpertWeights(kind="fp8", weight=stack("weight"), scale=stack("scale"))
+    if isinstance(first, Nvfp4Op):
+        return ExpertWeights(kind="nvfp4", weight=stack("packed"), scale=stack("scale"), g_idx=stack("row_mult"))
+    return ExpertWeights(kind="int", weight=stack("qweight"), scale=stack("scales"), zeros=stack("zeros"),
+                         g_idx=stack("g_idx"), bits=first.bits)
