@@ -1,7 +1,7 @@
 """The fused-MoE Triton kernel (services/engine/kernels/fused_moe.py) against the torch MoE (MoE.forward in
 services/engine/model/model.py: one product pair per expert over its token group), on the CPU under
 TRITON_INTERPRET=1 at toy sizes: dense experts and experts stored FP8 (per channel, 32x32 blocks), AWQ,
-GPTQ and NVFP4, with and without renormalised top-k weights, a Qwen2-MoE shared expert, token counts that
+GPTQ, compressed-tensors pack-quantized and NVFP4, with and without renormalised top-k weights, a Qwen2-MoE shared expert, token counts that
 leave experts unused and blocks padded. The quantized cases hold the kernel to the torch MoE run on the
 weights the stored tensors decode to (tests/unit/quant_checkpoints.py). Tolerance 1e-4: float32 throughout,
 only the summation order differs. Run this file in its own process (triton under the interpreter).
@@ -95,6 +95,8 @@ QUANTIZED: dict[str, tuple[qc.Quantizer, WeightScheme]] = {
     "gptq-asym": (qc.gptq(16, sym=False), WeightScheme(format=WeightFormat.GPTQ, bits=4, group_size=16,
                                                        symmetric=False, zero_point_offset=1)),
     "nvfp4-ct": (qc.nvfp4("ct"), WeightScheme(format=WeightFormat.NVFP4_CT, bits=4, group_size=16)),
+    "ct-pack-w4-asym": (qc.ct_pack(4, 16, sym=False), WeightScheme(format=WeightFormat.INT_CT, bits=4, group_size=16,
+                                                                  symmetric=False)),
 }
 
 

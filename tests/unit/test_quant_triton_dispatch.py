@@ -67,6 +67,10 @@ LAYOUTS: dict[str, tuple[qc.Quantizer, WeightScheme, int | None]] = {
                                                      zero_point_offset=1), None),
     "gptq-asym": (qc.gptq(32, sym=False), WeightScheme(format=WeightFormat.GPTQ, bits=4, group_size=32,
                                                        symmetric=False, zero_point_offset=1), None),
+    "ct-pack-w4-group-asym": (qc.ct_pack(4, 32, sym=False), WeightScheme(
+        format=WeightFormat.INT_CT, bits=4, group_size=32, symmetric=False), None),
+    "ct-pack-w8-channel-sym": (qc.ct_pack(8, 0, sym=True), WeightScheme(
+        format=WeightFormat.INT_CT, bits=8, group_size=0, symmetric=True), None),
 }
 
 

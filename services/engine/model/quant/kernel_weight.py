@@ -3,9 +3,10 @@
 
 Built once at load from the layer's :class:`PackedPart` s (fused q/k/v or gate/up: several parts along the
 output dimension) and moved to the model's device:
-* AWQ / GPTQ (and compressed-tensors ``pack-quantized``): the GPTQ layout ``qweight [K*bits/32, N]`` with
+* AWQ / GPTQ / compressed-tensors ``pack-quantized``: the GPTQ layout ``qweight [K*bits/32, N]`` with
   float zero points and scales ``[groups, N]`` and ``g_idx [K]``; AWQ's columns are un-permuted and repacked
-  along K. Parts concatenate along N when their ``g_idx`` agree (always, without GPTQ act order).
+  along K, pack-quantized's rows transposed and repacked along K. Parts concatenate along N when their
+  ``g_idx`` agree (always, without act order).
 * NVFP4: ``packed [N, K/2]`` and ``scale [N, K/16]`` as stored; the global scale becomes a multiplier per
   output row, so parts with different global scales concatenate.
 * FP8 (tensor / channel / block): ``weight [N, K]`` as stored, scales expanded to one row per output row
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from services.engine.model.quant.formats import AWQ_REVERSE_ORDER, unpack_int32
+from services.engine.model.quant.formats import AWQ_REVERSE_ORDER, int_ct_codes, unpack_int32
 from services.engine.model.quant.linear import PackedPart, fp8_quantize
 from services.engine.model.quant.scheme import WeightFormat
 
@@ -184,6 +185,12 @@ def _int_op(part: PackedPart) -> IntOp:
         else:
             zeros = (unpack_int32(t["qzeros"], s.bits, 1) + s.zero_point_offset).to(t["scales"].dtype)
         return IntOp(qweight=t["qweight"], scales=t["scales"], zeros=zeros, g_idx=t["g_idx"].int(), bits=s.bits)
+    if fmt is WeightFormat.INT_CT:
+        if k % (32 // s.bits):
+            raise ValueError(f"{part.prefix}: K={k} is not a multiple of {32 // s.bits} (one int32 word)")
+        codes, zeros_ct, scales_ct, g_ct = int_ct_codes(s, t, part.prefix, n, k)
+        return IntOp(qweight=pack_rows(codes.t(), s.bits), scales=scales_ct.t().contiguous(),
+                     zeros=zeros_ct.t().float().contiguous(), g_idx=g_ct.int(), bits=s.bits)
     raise ValueError(f"{part.prefix}: no integer kernel layout for {fmt.value}")
 
 
