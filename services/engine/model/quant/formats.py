@@ -108,8 +108,8 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.reshape(*moved.shape[:-1], moved.shape[-1] * per_word).movedim(-1, dim)
 
 
-def _group_index(in_features: int, group_size: int) -> torch.Tensor:
-    return torch.arange(in_features) // (group_size or in_features)
+def _group_index(in_features: int, group_size: int, device: torch.device | None = None) -> torch.Tensor:
+    return torch.arange(in_features, device=device) // (group_size or in_features)
 
 
 def _awq(scheme: WeightScheme, t: dict[str, torch.Tensor], prefix: str, out_features: int,
@@ -126,7 +126,7 @@ def _awq(scheme: WeightScheme, t: dict[str, torch.Tensor], prefix: str, out_feat
         values = unpack_int32(words, 4, 1)
         return values.reshape(values.shape[0], -1, 8)[:, :, order].reshape(values.shape[0], -1)
 
-    groups = _group_index(in_features, scheme.group_size)
+    groups = _group_index(in_features, scheme.group_size, qweight.device)
     w = (unpack(qweight) - unpack(qzeros)[groups]).float() * scales[groups]
     return w.t().contiguous()
 
@@ -154,7 +154,7 @@ def int_ct_codes(scheme: WeightScheme, t: dict[str, torch.Tensor], prefix: str, 
     codes = unpack_int32(packed, bits, 1)[:, :in_features]
     offset = 1 << (bits - 1)
     if scheme.symmetric:
-        zeros = torch.full((out_features, num_groups), offset, dtype=torch.int32)
+        zeros = torch.full((out_features, num_groups), offset, dtype=torch.int32, device=packed.device)
     else:
         zp = _expect(t["weight_zero_point"], prefix, "weight_zero_point",
                      (-(-out_features // per_word), num_groups), torch.int32)
@@ -164,7 +164,7 @@ def int_ct_codes(scheme: WeightScheme, t: dict[str, torch.Tensor], prefix: str, 
         if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups):
             raise ValueError(f"tensor '{prefix}.weight_g_idx' names a group outside 0..{num_groups - 1}")
     else:
-        g_idx = _group_index(in_features, group)
+        g_idx = _group_index(in_features, group, packed.device)
     return codes, zeros, scales, g_idx
 
 
@@ -185,7 +185,7 @@ def _gptq(scheme: WeightScheme, t: dict[str, torch.Tensor], prefix: str, out_fea
     q = unpack_int32(qweight, bits, 0)
     if scheme.symmetric:
         # AutoGPTQ writes the midpoint 2^(bits-1) (minus the v1 offset) as every zero point when sym
-        zeros = torch.full((num_groups, out_features), 1 << (bits - 1), dtype=torch.int32)
+        zeros = torch.full((num_groups, out_features), 1 << (bits - 1), dtype=torch.int32, device=qweight.device)
     else:
         zeros = unpack_int32(qzeros, bits, 1) + scheme.zero_point_offset
     w = (q - zeros[g_idx]).float() * scales[g_idx]

@@ -176,12 +176,13 @@ def _int_op(part: PackedPart) -> IntOp:
 
         qweight = pack_rows(unpack(t["qweight"]), 4)
         zeros = unpack(t["qzeros"]).to(t["scales"].dtype)
-        g_idx = torch.arange(k, dtype=torch.int32) // (s.group_size or k)
+        g_idx = torch.arange(k, dtype=torch.int32, device=qweight.device) // (s.group_size or k)
         return IntOp(qweight=qweight, scales=t["scales"], zeros=zeros, g_idx=g_idx, bits=4)
     if fmt is WeightFormat.GPTQ:
         groups = t["scales"].shape[0]
         if s.symmetric:
-            zeros = torch.full((groups, n), float(1 << (s.bits - 1)), dtype=t["scales"].dtype)
+            zeros = torch.full((groups, n), float(1 << (s.bits - 1)), dtype=t["scales"].dtype,
+                               device=t["scales"].device)
         else:
             zeros = (unpack_int32(t["qzeros"], s.bits, 1) + s.zero_point_offset).to(t["scales"].dtype)
         return IntOp(qweight=t["qweight"], scales=t["scales"], zeros=zeros, g_idx=t["g_idx"].int(), bits=s.bits)
