@@ -46,7 +46,10 @@ def _rand_int32(*shape: int, device: str, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int64, generator=gen).to(torch.int32).to(device)
 
 
-def _layouts() -> dict[str, Callable[[int, int, str, torch.Generator], tuple[Any, dict[str, torch.Tensor], int | None]]]:
+Make = Callable[[int, int, str, torch.Generator], tuple[Any, dict[str, torch.Tensor], int | None]]
+
+
+def _layouts() -> dict[str, Make]:
     """format name → make(n, k, device, gen) → (WeightScheme, stored tensors, activation group)."""
     from services.engine.model.quant.scheme import WeightFormat, WeightScheme
 
@@ -148,7 +151,6 @@ def run_linear(device: str, dtype: torch.dtype, shapes: dict[str, dict[str, tupl
                                 f"{t_kernel / t_dense:.2f} | {kernel.num_bytes / 2**20:.1f} "
                                 f"({dense.numel() * dense.element_size() / 2**20:.1f}) | {diff:.2g} | "
                                 f"{'yes' if ok else '**NO**'} |")
-                del dense, kernel, part, tensors
     return rows, all_ok
 
 
@@ -182,11 +184,11 @@ def run_moe(device: str, dtype: torch.dtype, cfg: dict[str, Any], reps: int,
             else:
                 make = layouts[kind]
                 stacks: dict[str, list[tuple[PackedPart, ...]]] = {"gate_up": [], "down": []}
-                for x in range(e):
+                for ex in range(e):
                     for proj, (n, k) in (("gate_up", (2 * i, h)), ("down", (h, i))):
                         scheme, tensors, _ = make(n, k, device, gen)
-                        part = PackedPart(scheme=scheme, prefix=f"e{x}.{proj}", tensors=tensors, shape=(n, k))
-                        getattr(moe, f"{proj}_weight")[x] = part.dequantize().to(dtype)
+                        part = PackedPart(scheme=scheme, prefix=f"e{ex}.{proj}", tensors=tensors, shape=(n, k))
+                        getattr(moe, f"{proj}_weight")[ex] = part.dequantize().to(dtype)
                         stacks[proj].append((part,))
                 moe.gate_up_experts = build_expert_weights(stacks["gate_up"], device)
                 moe.down_experts = build_expert_weights(stacks["down"], device)
@@ -202,7 +204,6 @@ def run_moe(device: str, dtype: torch.dtype, cfg: dict[str, Any], reps: int,
             t_fused = _median_ms(lambda: moe.forward_triton(x), device, reps)
             rows.append(f"| {kind} | {m} | {t_ref:.3f} | {t_fused:.3f} | {t_fused / t_ref:.2f} | {diff:.2g} | "
                         f"{'yes' if ok else '**NO**'} |")
-        del moe
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows, all_ok

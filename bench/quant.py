@@ -6,7 +6,8 @@ written once dense and then in each format's exact on-disk layout (tests/unit/qu
 quantizers the tests use). For every (format, mode): weight bytes the model holds (``CausalLM.weight_bytes``:
 parameters plus packed tensors), the process's resident-set growth while loading (``/proc/self/statm``; noisy,
 the allocator keeps freed pages), and greedy decode tok/s at batch 1 (one 32-token prompt, 16 decode steps,
-after a warm-up run; ``--quick``: the 100m widths with 1 layer, an 8-token prompt and 4 decode steps), through the model runner on a paged
+after a warm-up run; ``--quick``: the 100m widths with 1 layer, an 8-token prompt and 4 decode steps),
+through the model runner on a paged
 KV cache. The GPU side (the Triton GEMMs and the fused-MoE kernel against bf16) is in bench/gpu_bench.py.
 
 Usage: ``python -m bench.quant [--quick] [--shape 100m|tiny] [--tokens N] [--prompt N]``; prints a markdown

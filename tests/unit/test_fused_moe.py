@@ -1,10 +1,10 @@
 """The fused-MoE Triton kernel (services/engine/kernels/fused_moe.py) against the torch MoE (MoE.forward in
 services/engine/model/model.py: one product pair per expert over its token group), on the CPU under
 TRITON_INTERPRET=1 at toy sizes: dense experts and experts stored FP8 (per channel, 32x32 blocks), AWQ,
-GPTQ, compressed-tensors pack-quantized and NVFP4, with and without renormalised top-k weights, a Qwen2-MoE shared expert, token counts that
-leave experts unused and blocks padded. The quantized cases hold the kernel to the torch MoE run on the
-weights the stored tensors decode to (tests/unit/quant_checkpoints.py). Tolerance 1e-4: float32 throughout,
-only the summation order differs. Run this file in its own process (triton under the interpreter).
+GPTQ, compressed-tensors pack-quantized and NVFP4, with and without renormalised top-k weights, a Qwen2-MoE
+shared expert, token counts that leave experts unused and blocks padded. The quantized cases hold the kernel
+to the torch MoE run on the weights the stored tensors decode to (tests/unit/quant_checkpoints.py).
+Tolerance 1e-4: float32 throughout, only the summation order differs. Run this file in its own process (triton under the interpreter).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from services.engine.model.quant.linear import PackedPart  # noqa: E402
 from services.engine.model.quant.scheme import WeightFormat, WeightScheme  # noqa: E402
 from tests.unit import quant_checkpoints as qc  # noqa: E402
 
-H, I, E = 64, 32, 6
+H, INTER, E = 64, 32, 6
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +53,7 @@ def _interpreting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _moe(top_k: int, norm: bool, shared: int = 0, seed: int = 0) -> MoE:
     config = SimpleNamespace(hidden_size=H, moe=MoEConfig(
-        naming="qwen", num_experts=E, top_k=top_k, intermediate_size=I, norm_topk_prob=norm,
+        naming="qwen", num_experts=E, top_k=top_k, intermediate_size=INTER, norm_topk_prob=norm,
         shared_intermediate_size=shared, sparse_layers=(True,)))
     moe = MoE(config, torch.float32, "cpu")  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(seed)
@@ -110,11 +110,11 @@ def test_quantized_experts_dequantised_in_the_tile_equal_the_torch_moe_on_the_de
             parts = []
             for half, w in enumerate(moe.gate_up_weight[e].chunk(2)):  # gate rows, then up rows
                 stored, decoded = quantizer(w.clone())
-                parts.append(PackedPart(scheme=scheme, prefix=f"e{e}.{half}", tensors=stored, shape=(I, H)))
-                moe.gate_up_weight[e, half * I:(half + 1) * I] = decoded
+                parts.append(PackedPart(scheme=scheme, prefix=f"e{e}.{half}", tensors=stored, shape=(INTER, H)))
+                moe.gate_up_weight[e, half * INTER:(half + 1) * INTER] = decoded
             gate_up_parts.append(tuple(parts))
             stored, decoded = quantizer(moe.down_weight[e].clone())
-            down_parts.append((PackedPart(scheme=scheme, prefix=f"e{e}.down", tensors=stored, shape=(H, I)),))
+            down_parts.append((PackedPart(scheme=scheme, prefix=f"e{e}.down", tensors=stored, shape=(H, INTER)),))
             moe.down_weight[e] = decoded
     x = _x(11)
     reference = moe.forward(x)

@@ -128,7 +128,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
     num_pairs = flat.numel()
     device = flat.device
     num_blocks = -(-(num_pairs + num_experts * (block_m - 1)) // block_m)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads its maximum on the host (no CUDA-graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded

@@ -34,8 +34,8 @@ from services.engine.model.quant.kernel_weight import build_expert_weights, buil
 from services.engine.model.quant.linear import PackedPart, QuantizedLinear
 from services.engine.model.quant.scheme import QuantConfig, WeightScheme
 
-QuantDequant = Literal["load", "per-product"]
-QUANT_DEQUANT_MODES: tuple[QuantDequant, ...] = ("load", "per-product")
+QuantDequant = Literal["auto", "load", "per-product"]
+QUANT_DEQUANT_MODES: tuple[QuantDequant, ...] = ("auto", "load", "per-product")
 # Linear layers a quantization_config can cover (checkpoint leaf names); fused in the model as noted.
 _FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
           "up_proj": "gate_up", "down_proj": "down"}
@@ -48,14 +48,15 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def load_model(
     path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
-    backend: Backend = "torch", quant_dequant: QuantDequant = "load",
+    backend: Backend = "torch", quant_dequant: QuantDequant = "auto",
 ) -> tuple[CausalLM, ModelConfig]:
     """Read the checkpoint at ``path`` and return the model (in eval mode) and its config.
 
     ``dtype``: the weights' dtype; ``None`` takes config.json's ``torch_dtype`` (float32 when absent).
     bfloat16 and float16 work on CPU too, just slower.
     ``quant_dequant``: for a quantized checkpoint, dequantise every layer once here (``load``), or keep the
-    stored tensors and dequantise inside each product (``per-product``: less memory, slower).
+    stored tensors and dequantise inside each product (``per-product``: less memory; on the triton backend the
+    Triton GEMMs dequantise in the tile); ``auto``: per-product on the triton backend, else load.
     """
     root = Path(path)
     if not root.is_dir():
@@ -63,6 +64,7 @@ def load_model(
     if quant_dequant not in QUANT_DEQUANT_MODES:
         raise ModelLoadError(str(root), f"unsupported quant_dequant {quant_dequant!r} "
                                         f"(supported: {', '.join(QUANT_DEQUANT_MODES)})")
+    quant_dequant = resolve_quant_dequant(quant_dequant, backend)
     config = ModelConfig.from_dir(root)
     target_dtype = _resolve_dtype(dtype, config, root)
     files = _tensor_files(root)
@@ -75,6 +77,13 @@ def load_model(
     _copy_tensors(root, files, expected, lambda name: _destination(model, config, name), target_dtype)
     prepack_linear_weights(model.linear_weights())
     return model.eval(), config
+
+
+def resolve_quant_dequant(mode: QuantDequant, backend: Backend) -> QuantDequant:
+    """``auto`` → ``per-product`` on the triton backend (the in-tile GEMMs), ``load`` on the torch one."""
+    if mode == "auto":
+        return "per-product" if backend == "triton" else "load"
+    return mode
 
 
 def quantized_layers(config: ModelConfig) -> dict[str, WeightScheme]:
