@@ -4,7 +4,8 @@ TRITON_INTERPRET=1 at toy sizes: dense experts and experts stored FP8 (per chann
 GPTQ, compressed-tensors pack-quantized and NVFP4, with and without renormalised top-k weights, a Qwen2-MoE
 shared expert, token counts that leave experts unused and blocks padded. The quantized cases hold the kernel
 to the torch MoE run on the weights the stored tensors decode to (tests/unit/quant_checkpoints.py).
-Tolerance 1e-4: float32 throughout, only the summation order differs. Run this file in its own process (triton under the interpreter).
+Tolerance 1e-4: float32 throughout, only the summation order differs. Run this file in its own process
+(triton under the interpreter).
 """
 
 from __future__ import annotations
