@@ -20,7 +20,12 @@ under TRITON_INTERPRET=1, a tiny model, 8 requests, torch backend only), to chec
 A global deadline (``--budget-s``, default 420 s) skips what would not fit and says so in the table;
 nothing is estimated or filled in.
 
-Usage: ``python -m bench.gpu_bench --out results.md [--cpu-smoke] [--budget-s 420]`` (or bench/gpu_bench.sh).
+4. The quantized GEMMs and the fused-MoE kernel against bf16 (issue #27; bench/gpu_quant.py): correctness and
+   time at the Qwen3-0.6B and a 7B-class layer shape. ``--only-quant`` runs just these (about 3 minutes,
+   not yet measured on a GPU), ``--skip-quant`` leaves them out.
+
+Usage: ``python -m bench.gpu_bench --out results.md [--cpu-smoke] [--budget-s 420] [--only-quant]`` (or
+bench/gpu_bench.sh).
 """
 
 from __future__ import annotations
@@ -125,6 +130,7 @@ class Report:
     timings: list[tuple[str, str, str]] = field(default_factory=list)  # case, torch ms, triton ms
     runs: list[tuple[str, str, str, str, str, str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    quant: str = ""  # bench/gpu_quant.py's tables (issue #27), when that phase ran
 
     @property
     def all_ok(self) -> bool:
@@ -143,6 +149,8 @@ class Report:
                   "| run | attention backend | requests | concurrency | output tokens | wall s | output tok/s |",
                   "|---|---|---|---|---|---|---|"]
         lines += ["| " + " | ".join(row) + " |" for row in self.runs]
+        if self.quant:
+            lines += ["", self.quant]
         if self.notes:
             lines += ["", "Notes:", *[f"- {n}" for n in self.notes]]
         return "\n".join(lines) + "\n"
@@ -513,6 +521,15 @@ def run_spec_decode(sizes: Sizes, report: Report, deadline: Deadline, seed: int,
 # ------------------------------------------------------------------------------------------------- main
 
 
+def _quant_phase(smoke: bool, report: Report, deadline: Deadline, share: float) -> None:
+    """bench/gpu_quant.py's cells, in ``share`` of the time left (the throughput runs need the rest)."""
+    from bench import gpu_quant
+
+    end = time.monotonic() + deadline.left_s() * share
+    report.quant, ok = gpu_quant.run(smoke, lambda: end - time.monotonic())
+    report.checks.append(("quantized GEMMs / fused MoE", "every cell (see its table)", "-", "2e-2 rel.", ok))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results/gpu_bench.md"))
@@ -521,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-quant", action="store_true", help="skip the quantized GEMM / fused-MoE cells")
+    parser.add_argument("--only-quant", action="store_true",
+                        help="only the quantized GEMM / fused-MoE cells (bench/gpu_quant.py, issue #27)")
     args = parser.parse_args(argv)
     deadline = Deadline(args.budget_s)
 
@@ -560,6 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if sizes.device == "cuda":
         phases.append(("attention timing", lambda: time_decode_attention(sizes, report)))
+    if args.only_quant:
+        phases, args.skip_throughput = [], True
+    if not args.skip_quant:
+        phases.append(("quantized GEMMs", lambda: _quant_phase(args.cpu_smoke, report, deadline,
+                                                                    1.0 if args.only_quant else 0.5)))
     for name, phase in phases:
         t0 = time.monotonic()
         phase()

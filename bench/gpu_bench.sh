@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU benchmark run (issue 11): kernel correctness vs torch, then engine throughput; see bench/gpu_bench.py.
-# Usage: bench/gpu_bench.sh [--out FILE] [--cpu-smoke] [--budget-s S] ...   (default --out bench-results/gpu_bench.md)
+# Usage: bench/gpu_bench.sh [--out FILE] [--cpu-smoke] [--budget-s S] [--only-quant] ...   (default --out bench-results/gpu_bench.md)
+# Issue #27 cells alone (quantized GEMMs, fused MoE vs bf16): bench/gpu_bench.sh --only-quant --out bench-results/gpu_quant.md
 # Hard wall-clock cap 480 s (the issue's 8 minutes); the script's own deadline (420 s) stops work earlier.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,14 +1,17 @@
 """Quantized weights on the CPU: dequantised once at load vs per product, memory and decode tok/s (issue #27).
 
-One random-weight Qwen3 checkpoint (``--shape``: hidden 256, 4 layers, intermediate 768, vocab 8192 by default,
-the "tiny" shape of bench/engine_throughput.py; ``--shape 100m`` for that one, minutes per format) is
+One random-weight Qwen3 checkpoint (``--shape``: the "100m" shape of bench/engine_throughput.py by default,
+hidden 1024, 8 layers, intermediate 2048, vocab 32000 tied; ``--shape tiny`` hidden 256, 4 layers) is
 written once dense and then in each format's exact on-disk layout (tests/unit/quant_checkpoints.py, the
 quantizers the tests use). For every (format, mode): weight bytes the model holds (``CausalLM.weight_bytes``:
 parameters plus packed tensors), the process's resident-set growth while loading (``/proc/self/statm``; noisy,
 the allocator keeps freed pages), and greedy decode tok/s at batch 1 (one 32-token prompt, 16 decode steps,
-after a warm-up run), through the model runner on a paged KV cache.
+after a warm-up run; ``--quick``: the 100m widths with 1 layer, an 8-token prompt and 4 decode steps),
+through the model runner on a paged
+KV cache. The GPU side (the Triton GEMMs and the fused-MoE kernel against bf16) is in bench/gpu_bench.py.
 
-Usage: ``python -m bench.quant [--shape tiny|100m] [--tokens N]``; prints a markdown table.
+Usage: ``python -m bench.quant [--quick] [--shape 100m|tiny] [--tokens N] [--prompt N]``; prints a markdown
+table.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ FORMATS: dict[str, tuple[qc.Quantizer, dict[str, object]]] = {
         "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16})),
     "awq g128": (qc.awq(128), {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}),
     "gptq g128 sym": (qc.gptq(128, sym=True), {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True}),
+    "w4a16 g128 asym (CT pack)": (qc.ct_pack(4, 128, sym=False), qc.ct_config("pack-quantized", {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": False})),
+    "w8a16 channel (CT pack)": (qc.ct_pack(8, 0, sym=True), qc.ct_config("pack-quantized", {
+        "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True})),
 }
 
 
@@ -51,13 +58,13 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _measure(path: Path, mode: str, num_tokens: int) -> tuple[int, int, float]:
+def _measure(path: Path, mode: str, num_tokens: int, prompt_len: int) -> tuple[int, int, float]:
     gc.collect()
     before = _rss_bytes()
     model, config = load_model(path, quant_dequant=mode)  # type: ignore[arg-type]
     grown = _rss_bytes() - before
     runner = make_runner(model, config, num_blocks=64, block_size=16)
-    prompt = list(range(5, 37))
+    prompt = list(range(5, 5 + prompt_len))
     runner_greedy(runner, prompt, 2, list(range(1, 8)))  # warm-up
     start = time.perf_counter()
     runner_greedy(runner, prompt, num_tokens, list(range(1, 8)))
@@ -69,26 +76,35 @@ def _measure(path: Path, mode: str, num_tokens: int) -> tuple[int, int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=list(SHAPES), default="tiny")
+    parser.add_argument("--shape", choices=list(SHAPES), default="100m")
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    parser.add_argument("--quick", action="store_true",
+                        help="the 100m shape's widths with 1 layer, 4 decode tokens after an 8-token prompt")
     args = parser.parse_args()
+    shape = dict(SHAPES[args.shape])
+    if args.quick:
+        args.tokens, args.prompt = 4, 8
+        shape["num_layers"] = 1
     torch.manual_seed(0)
+    started = time.monotonic()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; shape {args.shape} {SHAPES[args.shape]}; "
-          f"batch 1, {args.tokens} tokens\n")
+          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}; shape {args.shape} {shape}; "
+          f"batch 1, {args.prompt}-token prompt, {args.tokens} decode tokens\n")
     print("| format | mode | weights MiB | RSS growth at load MiB | decode tok/s |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        dense = write_tiny_checkpoint(root / "dense", "qwen3", **SHAPES[args.shape])  # type: ignore[arg-type]
-        w, grown, tok_s = _measure(dense, "load", args.tokens)
-        print(f"| dense fp32 | - | {w / 2**20:.1f} | {grown / 2**20:.1f} | {tok_s:.0f} |", flush=True)
+        dense = write_tiny_checkpoint(root / "dense", "qwen3", **shape)  # type: ignore[arg-type]
+        w, grown, tok_s = _measure(dense, "load", args.tokens, args.prompt)
+        print(f"| dense fp32 | - | {w / 2**20:.1f} | {grown / 2**20:.1f} | {tok_s:.2f} |", flush=True)
         for i, (name, (quantizer, config)) in enumerate(FORMATS.items()):
             out = root / f"q{i}"
             qc.quantize_checkpoint(dense, out, root / f"twin{i}", quantizer, config)
             for mode in ("load", "per-product"):
-                w, grown, tok_s = _measure(out, mode, args.tokens)
-                print(f"| {name} | {mode} | {w / 2**20:.1f} | {grown / 2**20:.1f} | {tok_s:.0f} |", flush=True)
+                w, grown, tok_s = _measure(out, mode, args.tokens, args.prompt)
+                print(f"| {name} | {mode} | {w / 2**20:.1f} | {grown / 2**20:.1f} | {tok_s:.2f} |", flush=True)
+    print(f"\nwall time {time.monotonic() - started:.0f} s, load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

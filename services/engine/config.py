@@ -22,8 +22,9 @@ class EngineConfig:
     device: str = "cpu"
     backend: str | None = None  # kernels: "auto"/None (triton on CUDA, else torch), "torch", "triton"
     kv_dtype: Literal["auto", "fp8"] = "auto"
-    # A quantized checkpoint: dequantise once at load ("load") or inside every product ("per-product").
-    quant_dequant: QuantDequant = "load"
+    # A quantized checkpoint: dequantise once at load ("load") or inside every product ("per-product": the
+    # Triton GEMMs on the triton backend); "auto": per-product on the triton backend, else load.
+    quant_dequant: QuantDequant = "auto"
     kv_capacity_tokens: int | None = None
     kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION
     block_size: int = 16

@@ -36,7 +36,7 @@ from services.engine.errors import ContextLengthExceededError, InvalidParameterE
 from services.engine.kernels.backend import select_backend
 from services.engine.model.grammar import GrammarCache, apply_grammar_masks
 from services.engine.model.kv_cache import KVCacheSpec, allocate_kv_cache, free_memory_bytes
-from services.engine.model.loader import load_model
+from services.engine.model.loader import load_model, resolve_quant_dequant
 from services.engine.model.model_runner import ModelRunner, RunnerSeq, capture_decode_graphs
 from services.engine.model.pooler import pool
 from services.engine.model.sampler import Sampler, TokenLogprobs, histories, logprobs_by_request
@@ -507,7 +507,8 @@ class EngineCore:
 
     def _quant_note(self) -> str:
         quant = self.model_config.quant
-        return "" if quant is None else f" ({quant.method}, dequantised {self.config.quant_dequant})"
+        mode = resolve_quant_dequant(self.config.quant_dequant, self.backend)
+        return "" if quant is None else f" ({quant.method}, dequantised {mode})"
 
     def describe(self) -> str:
         gib = self.free_memory_bytes / 2**30

@@ -199,3 +199,53 @@ def ct_config(fmt: str, weights: dict[str, object], input_activations: dict[str,
             "input_activations": input_activations,
         }},
     }
+
+
+def ct_pack(bits: int, group: int, *, sym: bool, actorder: bool = False, seed: int = 0) -> Quantizer:
+    """compressed-tensors ``pack-quantized`` as llm-compressor writes it (compressed_tensors pack_to_int32):
+    signed codes ``q`` in ``[-2^(b-1), 2^(b-1) - 1]`` stored plus ``2^(b-1)``, packed along the input
+    (``weight_packed [out, in*b/32]``); ``weight_scale [out, groups]`` fp16 (``group`` 0: channel); asymmetric
+    zero points (signed) packed along the output (``weight_zero_point [out*b/32, groups]``); ``weight_shape``;
+    with ``actorder`` the groups follow a permutation of the columns and ``weight_g_idx`` names each one's."""
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    per_word = 32 // bits
+
+    def pack(unsigned: torch.Tensor) -> torch.Tensor:  # [r, c] → [r, c / per_word], element j at bit j*bits
+        r, c = unsigned.shape
+        v = unsigned.long().reshape(r, c // per_word, per_word)
+        words = torch.zeros(r, c // per_word, dtype=torch.int64)
+        for j in range(per_word):
+            words |= v[:, :, j] << (bits * j)
+        return _as_int32(words)
+
+    def quantize(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        out, k = w.shape
+        g = group or k
+        if actorder:
+            perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+            g_idx = torch.empty(k, dtype=torch.int64)
+            g_idx[perm] = torch.arange(k) // g
+        else:
+            g_idx = torch.arange(k) // g
+        num_groups = k // g
+        scale = torch.zeros(out, num_groups)
+        zero = torch.zeros(out, num_groups)
+        for i in range(num_groups):
+            cols = w[:, g_idx == i]
+            if sym:
+                scale[:, i] = cols.abs().amax(1) / ((qmax - qmin) / 2)
+            else:
+                lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+                scale[:, i] = (hi - lo) / (qmax - qmin)
+                zero[:, i] = torch.clamp(torch.round(qmin - lo / scale[:, i]), qmin, qmax)
+        scale = scale.half().float()
+        q = torch.clamp(torch.round(w / scale[:, g_idx]) + zero[:, g_idx], qmin, qmax)
+        decoded = (q - zero[:, g_idx]) * scale[:, g_idx]
+        tensors = {"weight_packed": pack((q - qmin).long()), "weight_scale": scale.half(),
+                   "weight_shape": torch.tensor([out, k])}
+        if not sym:
+            tensors["weight_zero_point"] = pack((zero - qmin).long().t().contiguous()).t().contiguous()
+        if actorder:
+            tensors["weight_g_idx"] = g_idx.to(torch.int32)
+        return tensors, decoded
+    return quantize

@@ -47,9 +47,15 @@ FORMATS: dict[str, tuple[qc.Quantizer, dict[str, object] | None, dict[str, objec
                                            "desc_act": False, "sym": False}, None),
     "gptq-desc-act": (qc.gptq(32, sym=True, desc_act=True), {"quant_method": "gptq", "bits": 4, "group_size": 32,
                                                              "desc_act": True, "sym": True}, None),
+    "ct-w4a16-group-sym": (qc.ct_pack(4, 32, sym=True), qc.ct_config("pack-quantized", {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}), None),
+    "ct-w4a16-group-asym": (qc.ct_pack(4, 32, sym=False), qc.ct_config("pack-quantized", {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False}), None),
+    "ct-w4a16-actorder-group": (qc.ct_pack(4, 32, sym=True, actorder=True), qc.ct_config("pack-quantized", {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "actorder": "group"}), None),
+    "ct-w8a16-channel-asym": (qc.ct_pack(8, 0, sym=False), qc.ct_config("pack-quantized", {
+        "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": False}), None),
 }
-
-
 
 
 def _checkpoints(tmp_path: Path, name: str, **sizes: int) -> tuple[Path, Path]:

@@ -59,7 +59,17 @@ def test_the_quant_dequant_flag_reaches_the_engine_config_and_refuses_other_valu
         add_arguments(parser)
         return parser.parse_args([str(model), "--data-dir", str(tmp_path), *flags])
 
-    assert build_config(cli())[0].quant_dequant == "load"
+    assert build_config(cli())[0].quant_dequant == "auto"
+    assert build_config(cli("--quant-dequant", "load"))[0].quant_dequant == "load"
     assert build_config(cli("--quant-dequant", "per-product"))[0].quant_dequant == "per-product"
     with pytest.raises(SystemExit):
         cli("--quant-dequant", "lazy")
+
+
+def test_auto_dequantises_in_the_tile_on_the_triton_backend_and_at_load_on_torch() -> None:
+    from services.engine.model.loader import resolve_quant_dequant
+
+    assert resolve_quant_dequant("auto", "triton") == "per-product"
+    assert resolve_quant_dequant("auto", "torch") == "load"
+    assert resolve_quant_dequant("load", "triton") == "load"
+    assert resolve_quant_dequant("per-product", "torch") == "per-product"

@@ -35,8 +35,20 @@ def _ct(**group: Any) -> dict[str, Any]:
 REFUSED: dict[str, tuple[Any, str]] = {
     "unknown method": ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
     "no method": ({"bits": 4}, "quant_method None"),
-    "ct int pack-quantized": (qc.ct_config("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group",
-                                                              "group_size": 128}), "format 'pack-quantized'"),
+    "ct pack-quantized 2 bit": (qc.ct_config("pack-quantized", {"num_bits": 2, "type": "int", "strategy": "group",
+                                                                "group_size": 128}), "type/num_bits 'int/2'"),
+    "ct pack-quantized tensor strategy": (qc.ct_config("pack-quantized", {"num_bits": 4, "type": "int",
+                                                                          "strategy": "tensor"}), "strategy 'tensor'"),
+    "ct pack-quantized with activations": (qc.ct_config(
+        "pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
+        {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}), "null for pack-quantized"),
+    "ct pack-quantized dynamic actorder": (qc.ct_config("pack-quantized", {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "actorder": "dynamic"}),
+        "actorder 'dynamic'"),
+    "ct fp8 actorder group": (_ct(weights={**FP8, "strategy": "channel", "actorder": "group"}),
+                              "actorder 'group'"),
+    "ct bitmask sparse format": (qc.ct_config("sparse-bitmask", {**FP8, "strategy": "channel"}),
+                                 "format 'sparse-bitmask'"),
     "ct static activations": (_ct(input_activations={**FP8, "strategy": "tensor", "dynamic": False}),
                               "input_activations.dynamic False"),
     "ct int8 activations": (_ct(input_activations={"num_bits": 8, "type": "int", "strategy": "token",

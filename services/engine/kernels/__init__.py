@@ -18,6 +18,11 @@ Modules (one noun each):
   rope.py             neox-style rotary embedding from a cos/sin cache, in place on q and k
   activation.py       SiLU-and-mul (SwiGLU's gate)
   fp8.py              the fp8 KV format (FP8_DTYPE, FP8_MAX) the kernels and the KV cache share
+  quant_gemm.py       quantized GEMMs dequantising in the tile (INT4/INT8, NVFP4 weight-only; FP8 with scale
+                      groups, fp8 x fp8 for W8A8); oracle: model/quant/formats.py + a matmul
+                      (test_quant_triton.py, test_quant_triton_dispatch.py)
+  fused_moe.py        every expert's GEMM of a step in one launch (tokens sorted and padded by expert), dense
+                      or quantized experts; oracle: MoE.forward (test_fused_moe.py)
   cpu_kernels.py      not Triton: the CPU path's compiled C++ (cpu_kernels.cpp, built on first use with
                       torch.utils.cpp_extension): the whole decoder forward of a step in one call, and
                       the decode attention, RMSNorm, q/k norm + RoPE and argmax on their own; oracles:

@@ -15,6 +15,7 @@ Every failure is a ModelLoadError whose reason is one line naming the file, key 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -29,14 +30,17 @@ from services.engine.model.model import MLP, CausalLM, DecoderLayer, MoE, prepac
 from services.engine.model.model_config import DTYPES, ModelConfig
 from services.engine.model.mtp_head import MTP_PREFIX, MTPHead
 from services.engine.model.quant.formats import dequantize, stored_tensors
+from services.engine.model.quant.kernel_weight import build_expert_weights, build_kernel_weight
 from services.engine.model.quant.linear import PackedPart, QuantizedLinear
 from services.engine.model.quant.scheme import QuantConfig, WeightScheme
 
-QuantDequant = Literal["load", "per-product"]
-QUANT_DEQUANT_MODES: tuple[QuantDequant, ...] = ("load", "per-product")
+QuantDequant = Literal["auto", "load", "per-product"]
+QUANT_DEQUANT_MODES: tuple[QuantDequant, ...] = ("auto", "load", "per-product")
 # Linear layers a quantization_config can cover (checkpoint leaf names); fused in the model as noted.
 _FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
           "up_proj": "gate_up", "down_proj": "down"}
+
+log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -44,14 +48,15 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def load_model(
     path: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
-    backend: Backend = "torch", quant_dequant: QuantDequant = "load",
+    backend: Backend = "torch", quant_dequant: QuantDequant = "auto",
 ) -> tuple[CausalLM, ModelConfig]:
     """Read the checkpoint at ``path`` and return the model (in eval mode) and its config.
 
     ``dtype``: the weights' dtype; ``None`` takes config.json's ``torch_dtype`` (float32 when absent).
     bfloat16 and float16 work on CPU too, just slower.
     ``quant_dequant``: for a quantized checkpoint, dequantise every layer once here (``load``), or keep the
-    stored tensors and dequantise inside each product (``per-product``: less memory, slower).
+    stored tensors and dequantise inside each product (``per-product``: less memory; on the triton backend the
+    Triton GEMMs dequantise in the tile); ``auto``: per-product on the triton backend, else load.
     """
     root = Path(path)
     if not root.is_dir():
@@ -59,6 +64,7 @@ def load_model(
     if quant_dequant not in QUANT_DEQUANT_MODES:
         raise ModelLoadError(str(root), f"unsupported quant_dequant {quant_dequant!r} "
                                         f"(supported: {', '.join(QUANT_DEQUANT_MODES)})")
+    quant_dequant = resolve_quant_dequant(quant_dequant, backend)
     config = ModelConfig.from_dir(root)
     target_dtype = _resolve_dtype(dtype, config, root)
     files = _tensor_files(root)
@@ -66,10 +72,18 @@ def load_model(
     model = CausalLM(config, dtype=target_dtype, device=device, backend=backend)
     expected = _expected_shapes(config)
     if config.quant is not None:
-        _load_quantized(root, files, config, config.quant, model, expected, target_dtype, quant_dequant)
+        _load_quantized(root, files, config, config.quant, model, expected, target_dtype, quant_dequant, backend,
+                        torch.device(device))
     _copy_tensors(root, files, expected, lambda name: _destination(model, config, name), target_dtype)
     prepack_linear_weights(model.linear_weights())
     return model.eval(), config
+
+
+def resolve_quant_dequant(mode: QuantDequant, backend: Backend) -> QuantDequant:
+    """``auto`` → ``per-product`` on the triton backend (the in-tile GEMMs), ``load`` on the torch one."""
+    if mode == "auto":
+        return "per-product" if backend == "triton" else "load"
+    return mode
 
 
 def quantized_layers(config: ModelConfig) -> dict[str, WeightScheme]:
@@ -88,11 +102,14 @@ def quantized_layers(config: ModelConfig) -> dict[str, WeightScheme]:
 
 
 def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quant: QuantConfig, model: CausalLM,
-                    expected: dict[str, tuple[int, ...]], dtype: torch.dtype, mode: QuantDequant) -> None:
+                    expected: dict[str, tuple[int, ...]], dtype: torch.dtype, mode: QuantDequant,
+                    backend: Backend = "torch", device: torch.device | None = None) -> None:
     """Read every quantized layer's stored tensors; remove its ``.weight`` from ``expected`` (a dense read).
 
     ``load``: dequantise into the model's dense weight (one layer at a time: no second full copy).
-    ``per-product``: keep the stored tensors on the layer (fused parts together) and free the dense weight.
+    ``per-product``: keep the stored tensors on the layer (fused parts together) and free the dense weight;
+    on the ``triton`` backend they are rearranged into the Triton GEMMs' layouts on ``device`` (kernel_weight.py)
+    and each product dequantises in the tile (a layer no kernel takes stays on the torch path, logged).
     The lm_head, where a checkpoint quantizes it, is always dequantised here (it multiplies once per step).
     """
     layers = quantized_layers(config)
@@ -100,6 +117,7 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
         return
     act_groups: dict[tuple[int, str], set[int | None]] = {}
     parts: dict[tuple[int, str], list[PackedPart]] = {}
+    expert_parts: dict[tuple[int, str], dict[tuple[int, int], PackedPart]] = {}
     with ExitStack() as stack:
         handles: dict[str, object] = {}
 
@@ -117,12 +135,16 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
         for module, scheme in layers.items():
             name = f"{module}.weight"
             shape = cast(tuple[int, int], expected.pop(name))
-            is_expert = ".experts." in module or ".shared_expert." in module
-            if is_expert and (mode != "load" or scheme.act_dynamic_fp8 is not None):
-                raise ModelLoadError(str(root), f"{module}: quantized expert weights are dequantised at load only, "
-                                                "without activation quantisation (use --quant-dequant load; W8A8 "
-                                                "experts are not supported yet)")
-            if module == "lm_head" or mode == "load":
+            is_routed = ".experts." in module
+            is_expert = is_routed or ".shared_expert." in module
+            if is_expert and scheme.act_dynamic_fp8 is not None:
+                raise ModelLoadError(str(root), f"{module}: quantized expert weights with activation quantisation "
+                                                "(W8A8 experts) are not supported yet")
+            if is_routed and mode != "load" and backend != "triton":
+                raise ModelLoadError(str(root), f"{module}: quantized expert weights are dequantised at load only "
+                                                "on the torch backend (use --quant-dequant load; the triton "
+                                                "backend's fused-MoE kernel takes them packed)")
+            if module == "lm_head" or mode == "load" or (is_expert and not is_routed):
                 try:
                     weight = dequantize(scheme, get, module, shape)
                 except ValueError as exc:
@@ -138,8 +160,14 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
                     part.dequantize()  # validates shapes and dtypes now, not at the first request
                 except ValueError as exc:
                     raise ModelLoadError(str(root), str(exc)) from exc
+                if is_routed:
+                    layer_index, projection, expert, slot = _expert_key(module)
+                    expert_parts.setdefault((layer_index, projection), {})[(expert, slot)] = part
+                    continue
                 parts.setdefault(_fused_key(module), []).append(part)
             act_groups.setdefault(_fused_key(module), set()).add(scheme.act_dynamic_fp8)
+    for (index, projection), by_expert in expert_parts.items():
+        _attach_experts(model, config, index, projection, by_expert, dtype, device)
     for (index, fused), groups in act_groups.items():
         if len(groups) != 1:
             raise ModelLoadError(str(root), f"layer {index}'s {fused} projections quantize their input differently "
@@ -150,8 +178,48 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
             raise ModelLoadError(str(root), f"layer {index}'s {fused} projections are partly quantized "
                                             "(per-product dequantisation needs all or none)")
         state = QuantizedLinear(act_group=group, parts=tuple(packed) if packed else None)
+        if backend == "triton" and packed is not None:
+            try:
+                state = QuantizedLinear(act_group=group, kernel=build_kernel_weight(
+                    tuple(packed), group, device if device is not None else torch.device("cpu")))
+            except ValueError as exc:
+                log.warning("quantized layer %d %s stays on the torch path: %s", index, fused, exc)
         _attach(model, index, fused, state)
-        model.has_quantized_forward |= state.act_group is not None or state.parts is not None
+        model.has_quantized_forward |= state.act_group is not None or state.parts is not None \
+            or state.kernel is not None
+
+
+def _expert_key(module: str) -> tuple[int, str, int, int]:
+    """``model.layers.<i>.<mlp|block_sparse_moe>.experts.<e>.<proj>`` → (i, "gate_up" | "down", e, slot)."""
+    parts = module.split(".")
+    projection, slot = {"gate_proj": ("gate_up", 0), "w1": ("gate_up", 0), "up_proj": ("gate_up", 1),
+                        "w3": ("gate_up", 1), "down_proj": ("down", 0), "w2": ("down", 0)}[parts[6]]
+    return int(parts[2]), projection, int(parts[5]), slot
+
+
+def _attach_experts(model: CausalLM, config: ModelConfig, index: int, projection: str,
+                    by_expert: dict[tuple[int, int], PackedPart], dtype: torch.dtype,
+                    device: torch.device | None) -> None:
+    """Give layer ``index``'s MoE its ``projection`` experts in the fused-MoE kernel's packed layout and free the
+    dense weight; when not every expert is quantized alike (or no tile fits), dequantise them into it instead."""
+    moe = cast(DecoderLayer, model.layers[index]).mlp
+    assert isinstance(moe, MoE) and config.moe is not None
+    num_experts, num_slots = config.moe.num_experts, 2 if projection == "gate_up" else 1
+    keys = [(e, s) for e in range(num_experts) for s in range(num_slots)]
+    try:
+        if any(k not in by_expert for k in keys):
+            raise ValueError("some experts are not quantized")
+        stacked = build_expert_weights([tuple(by_expert[(e, s)] for s in range(num_slots))
+                                        for e in range(num_experts)], device or torch.device("cpu"))
+    except ValueError as exc:
+        log.warning("layer %d's %s experts are dequantised at load: %s", index, projection, exc)
+        for part in by_expert.values():
+            _destination(model, config, f"{part.prefix}.weight").copy_(part.dequantize().to(dtype))
+        return
+    setattr(moe, f"{projection}_experts", stacked)
+    dense = getattr(moe, f"{projection}_weight")
+    setattr(moe, f"{projection}_weight", torch.nn.Parameter(dense.new_empty((0, 0, 0)), requires_grad=False))
+    model.has_quantized_forward = True
 
 
 def _fused_key(module: str) -> tuple[int, str]:
@@ -169,7 +237,7 @@ def _attach(model: CausalLM, index: int, fused: str, state: QuantizedLinear) -> 
     owner: torch.nn.Module = layer.self_attn if fused in ("qkv", "o") else layer.mlp
     weight_attr = f"{fused}_weight"
     setattr(owner, f"{fused}_quant", state)
-    if state.parts is not None:
+    if state.parts is not None or state.kernel is not None:
         dense = getattr(owner, weight_attr)
         # an empty tensor of the same dtype and device: QuantizedLinear.weight() takes its dtype from it
         setattr(owner, weight_attr, torch.nn.Parameter(dense.new_empty((0, 0)), requires_grad=False))

@@ -101,9 +101,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def qlinear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             quant: QuantizedLinear | None) -> torch.Tensor:
     """:func:`linear` of a layer that may be quantized: its input rounded as the checkpoint asks (W8A8), its
-    weight dequantised now when the layer keeps it packed (``--quant-dequant per-product``)."""
+    weight dequantised now when the layer keeps it packed (``--quant-dequant per-product``), or the Triton
+    GEMM that dequantises in the tile when the layer has a kernel form (triton backend, per-product)."""
     if quant is None:
         return linear(x, weight, bias)
+    if quant.kernel is not None:
+        y = quant.kernel.matmul(x)
+        return y if bias is None else y + bias
     return linear(quant.input(x), quant.weight(weight), bias)
 
 
@@ -301,20 +305,21 @@ class MoE(nn.Module):
         self.shared_gate_up_weight = _param(2 * s, h, dtype=dtype, device=device) if s else None
         self.shared_down_weight = _param(h, s, dtype=dtype, device=device) if s else None
         self.shared_gate_weight = _param(1, h, dtype=dtype, device=device) if s else None
+        # the triton backend's packed experts (kernels/fused_moe.py ExpertWeights), set by the loader with
+        # --quant-dequant per-product; the dense gate_up_weight / down_weight are then empty
+        self.gate_up_experts: Any = None
+        self.down_experts: Any = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights ``[T, k]`` in x's dtype, expert ids ``[T, k]``) of each token."""
         probs = F.softmax(F.linear(x, self.gate_weight), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        # token groups: one product pair per expert that any token of the step picked
-        for expert in torch.unique(experts).tolist():
-            rows, slot = torch.where(experts == expert)
-            gate, up = F.linear(x[rows], self.gate_up_weight[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_weight[expert])
-            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return weights.to(x.dtype), experts
+
+    def shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus Qwen2-MoE's sigmoid-gated shared expert of ``x`` (``out`` itself without one)."""
         if self.shared_gate_up_weight is not None and self.shared_down_weight is not None \
                 and self.shared_gate_weight is not None:
             gate, up = linear(x, self.shared_gate_up_weight).chunk(2, dim=-1)
@@ -322,8 +327,26 @@ class MoE(nn.Module):
             out = out + torch.sigmoid(F.linear(x, self.shared_gate_weight)) * shared
         return out
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        # token groups: one product pair per expert that any token of the step picked
+        for expert in torch.unique(experts).tolist():
+            rows, slot = torch.where(experts == expert)
+            gate, up = F.linear(x[rows], self.gate_up_weight[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_weight[expert])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return self.shared(x, out)
+
     def forward_triton(self, h: torch.Tensor) -> torch.Tensor:
-        return self.forward(h)
+        """The routed experts in one fused-MoE kernel launch per projection (kernels/fused_moe.py), on the
+        experts' dense weights or, where the loader kept them quantized, their packed form."""
+        from services.engine.kernels.fused_moe import ExpertWeights, fused_moe
+
+        weights, experts = self.route(h)
+        gate_up = self.gate_up_experts or ExpertWeights(kind="dense", weight=self.gate_up_weight)
+        down = self.down_experts or ExpertWeights(kind="dense", weight=self.down_weight)
+        return self.shared(h, fused_moe(h, gate_up, down, weights, experts))
 
 
 class DecoderLayer(nn.Module):

@@ -32,6 +32,9 @@ def stored_tensors(scheme: WeightScheme, prefix: str) -> tuple[str, ...]:
         WeightFormat.NVFP4_MODELOPT: ("weight", "weight_scale", "weight_scale_2"),
         WeightFormat.AWQ: ("qweight", "qzeros", "scales"),
         WeightFormat.GPTQ: ("qweight", "qzeros", "scales", "g_idx"),
+        WeightFormat.INT_CT: ("weight_packed", "weight_scale", "weight_shape",
+                              *(() if scheme.symmetric else ("weight_zero_point",)),
+                              *(("weight_g_idx",) if scheme.act_order else ())),
     }[scheme.format]
     return tuple(f"{prefix}.{n}" for n in names)
 
@@ -72,6 +75,9 @@ def dequantize(scheme: WeightScheme, get: Getter, prefix: str, shape: tuple[int,
         return values * group_scale.repeat_interleave(16, 1)
     if fmt is WeightFormat.AWQ:
         return _awq(scheme, t, prefix, out_features, in_features)
+    if fmt is WeightFormat.INT_CT:
+        codes, zeros, scales, g_idx = int_ct_codes(scheme, t, prefix, out_features, in_features)
+        return (codes - zeros[:, g_idx]).float() * scales[:, g_idx]
     return _gptq(scheme, t, prefix, out_features, in_features)
 
 
@@ -102,8 +108,8 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.reshape(*moved.shape[:-1], moved.shape[-1] * per_word).movedim(-1, dim)
 
 
-def _group_index(in_features: int, group_size: int) -> torch.Tensor:
-    return torch.arange(in_features) // (group_size or in_features)
+def _group_index(in_features: int, group_size: int, device: torch.device | None = None) -> torch.Tensor:
+    return torch.arange(in_features, device=device) // (group_size or in_features)
 
 
 def _awq(scheme: WeightScheme, t: dict[str, torch.Tensor], prefix: str, out_features: int,
@@ -120,9 +126,46 @@ def _awq(scheme: WeightScheme, t: dict[str, torch.Tensor], prefix: str, out_feat
         values = unpack_int32(words, 4, 1)
         return values.reshape(values.shape[0], -1, 8)[:, :, order].reshape(values.shape[0], -1)
 
-    groups = _group_index(in_features, scheme.group_size)
+    groups = _group_index(in_features, scheme.group_size, qweight.device)
     w = (unpack(qweight) - unpack(qzeros)[groups]).float() * scales[groups]
     return w.t().contiguous()
+
+
+def int_ct_codes(scheme: WeightScheme, t: dict[str, torch.Tensor], prefix: str, out_features: int,
+                 in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """compressed-tensors ``pack-quantized`` (pack_to_int32): ``weight_packed`` int32 ``[out, ceil(in*bits/32)]``,
+    input column k in word ``k // (32/bits)`` at bit ``(k % (32/bits)) * bits``, each value stored plus
+    ``2^(bits-1)`` (signed int8 → unsigned); ``weight_scale`` ``[out, groups]`` (channel: one group);
+    ``weight_zero_point`` (asymmetric only) int32 ``[ceil(out*bits/32), groups]``, packed the same way along the
+    output dimension; ``weight_g_idx`` ``[in]`` with actorder group; ``weight_shape`` ``[out, in]``.
+    ``w = (q - zero_point) * scale``, both signed or, as returned here, both offset: unsigned codes ``[out, in]``,
+    zero points ``[out, groups]`` (int32), scales ``[out, groups]`` (float32) and each column's group ``[in]``."""
+    bits = scheme.bits
+    per_word = 32 // bits
+    group = scheme.group_size or in_features
+    num_groups = -(-in_features // group)
+    shape = t["weight_shape"]
+    if shape.dtype.is_floating_point or tuple(int(v) for v in shape.flatten()) != (out_features, in_features):
+        raise ValueError(f"tensor '{prefix}.weight_shape' is {shape.tolist()}, expected [{out_features}, "
+                         f"{in_features}]")
+    packed = _expect(t["weight_packed"], prefix, "weight_packed", (out_features, -(-in_features // per_word)),
+                     torch.int32)
+    scales = _expect(t["weight_scale"], prefix, "weight_scale", (out_features, num_groups)).float()
+    codes = unpack_int32(packed, bits, 1)[:, :in_features]
+    offset = 1 << (bits - 1)
+    if scheme.symmetric:
+        zeros = torch.full((out_features, num_groups), offset, dtype=torch.int32, device=packed.device)
+    else:
+        zp = _expect(t["weight_zero_point"], prefix, "weight_zero_point",
+                     (-(-out_features // per_word), num_groups), torch.int32)
+        zeros = unpack_int32(zp, bits, 0)[:out_features]
+    if scheme.act_order:
+        g_idx = _expect(t["weight_g_idx"], prefix, "weight_g_idx", (in_features,)).long()
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups):
+            raise ValueError(f"tensor '{prefix}.weight_g_idx' names a group outside 0..{num_groups - 1}")
+    else:
+        g_idx = _group_index(in_features, group, packed.device)
+    return codes, zeros, scales, g_idx
 
 
 def _gptq(scheme: WeightScheme, t: dict[str, torch.Tensor], prefix: str, out_features: int,
@@ -142,7 +185,7 @@ def _gptq(scheme: WeightScheme, t: dict[str, torch.Tensor], prefix: str, out_fea
     q = unpack_int32(qweight, bits, 0)
     if scheme.symmetric:
         # AutoGPTQ writes the midpoint 2^(bits-1) (minus the v1 offset) as every zero point when sym
-        zeros = torch.full((num_groups, out_features), 1 << (bits - 1), dtype=torch.int32)
+        zeros = torch.full((num_groups, out_features), 1 << (bits - 1), dtype=torch.int32, device=qweight.device)
     else:
         zeros = unpack_int32(qzeros, bits, 1) + scheme.zero_point_offset
     w = (q - zeros[g_idx]).float() * scales[g_idx]

@@ -7,16 +7,22 @@ Two independent parts, both optional:
 * ``act_group``: the checkpoint asks for dynamic FP8 activation quantisation (W8A8): every product's input is
   rounded to float8_e4m3fn with one scale per token (``0``) or per token and ``act_group`` columns, as the
   FP8 GEMM would see it, then multiplied in the compute dtype (the reference of the tensor-core path).
+* ``kernel``: on the triton backend with ``per-product``, the parts in the Triton GEMMs' layouts
+  (kernel_weight.py): the product dequantises in the tile, and W8A8 multiplies fp8 by fp8.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.model.quant.formats import dequantize
 from services.engine.model.quant.scheme import WeightScheme
+
+if TYPE_CHECKING:
+    from services.engine.model.quant.kernel_weight import KernelWeight
 
 FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # vLLM's scaled_fp8_quant floors the scale so an all-zero row does not divide by zero.
@@ -44,21 +50,22 @@ class PackedPart:
 class QuantizedLinear:
     act_group: int | None = None
     parts: tuple[PackedPart, ...] | None = None  # concatenated along the output dimension (fused q/k/v, gate/up)
+    kernel: KernelWeight | None = None  # the triton backend's in-tile form of ``parts`` (which it replaces)
 
     def weight(self, dense: torch.Tensor) -> torch.Tensor:
         """The weight to multiply by: ``dense`` itself, or the stored parts dequantised now, in its dtype."""
         if self.parts is None:
             return dense
         pieces = [part.dequantize() for part in self.parts]
-        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(dense.dtype)
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(device=dense.device, dtype=dense.dtype)
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.act_group is None else fp8_quant_dequant(x, self.act_group)
 
 
-def fp8_quant_dequant(x: torch.Tensor, group: int) -> torch.Tensor:
-    """``x`` ``[T, K]`` rounded through float8_e4m3fn with one dynamic scale ``amax / 448`` per token
-    (``group`` 0) or per token and ``group`` columns (DeepSeek-V3's act_quant), returned in x's dtype."""
+def fp8_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[T, K]`` → (float8_e4m3fn ``[T, K]``, float32 scales ``[T, K / group]``): one dynamic scale
+    ``amax / 448`` per token (``group`` 0) or per token and ``group`` columns (DeepSeek-V3's act_quant)."""
     num_tokens, width = x.shape
     g = group or width
     if width % g:
@@ -66,4 +73,12 @@ def fp8_quant_dequant(x: torch.Tensor, group: int) -> torch.Tensor:
     h = x.float().reshape(num_tokens, width // g, g)
     scale = (h.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=_MIN_SCALE)
     q = (h / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).reshape(num_tokens, width).to(x.dtype)
+    return q.reshape(num_tokens, width), scale.reshape(num_tokens, width // g)
+
+
+def fp8_quant_dequant(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` rounded through :func:`fp8_quantize` and back, in x's dtype (the reference of the W8A8 GEMM)."""
+    num_tokens, width = x.shape
+    q, scale = fp8_quantize(x, group)
+    g = width // scale.shape[1]
+    return (q.float().reshape(num_tokens, -1, g) * scale.unsqueeze(-1)).reshape(num_tokens, width).to(x.dtype)

@@ -8,8 +8,8 @@ shape error, or serves garbage. The layouts behind each :class:`WeightFormat` ar
 Supported (``quant_method`` → format):
 * ``compressed-tensors`` (llm-compressor): ``float-quantized`` / ``naive-quantized`` FP8 e4m3 weights with
   ``strategy`` ``tensor`` | ``channel`` | ``block``, optional dynamic per-token FP8 ``input_activations``;
-  ``nvfp4-pack-quantized`` (``tensor_group``, group 16). ``pack-quantized`` (int W4A16) is refused, naming it:
-  the AWQ/GPTQ paths below cover the same arithmetic, its packing is not implemented yet.
+  ``nvfp4-pack-quantized`` (``tensor_group``, group 16); ``pack-quantized`` (int W4A16 / W8A16, ``channel`` or
+  ``group`` strategy, symmetric or with packed zero points, ``actorder`` group through ``weight_g_idx``).
 * ``fp8`` (transformers FineGrainedFP8, DeepSeek-V3 / Qwen3-FP8): ``weight_block_size`` [128, 128] with
   ``weight_scale_inv``; ``activation_scheme`` ``dynamic``.
 * ``modelopt`` / hf_quant_config.json ``quant_algo`` ``NVFP4`` (and ``FP8`` per-tensor).
@@ -19,6 +19,7 @@ Supported (``quant_method`` → format):
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import re
@@ -37,6 +38,8 @@ class WeightFormat(enum.Enum):
     NVFP4_MODELOPT = "nvfp4_modelopt"  # ModelOpt: weight (uint8), weight_scale (fp8), weight_scale_2 (multiplier)
     AWQ = "awq"  # qweight int32 [in, out/8] (AWQ order), qzeros, scales [in/g, out]
     GPTQ = "gptq"  # qweight int32 [in*bits/32, out], qzeros, scales, g_idx
+    INT_CT = "int_ct"  # compressed-tensors pack-quantized: weight_packed int32 [out, in*bits/32], weight_scale,
+    #                    weight_shape, weight_zero_point when asymmetric, weight_g_idx with actorder "group"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +58,7 @@ class WeightScheme:
     scale_name: str = "weight_scale"  # FP8_BLOCK: "weight_scale_inv" (transformers fp8) or "weight_scale" (CT)
     zero_point_offset: int = 0  # GPTQ v1 stores zero - 1
     act_dynamic_fp8: int | None = None
+    act_order: bool = False  # INT_CT: actorder "group", each input column's group stored as weight_g_idx
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,7 +135,7 @@ def _refuse(source: str, key: str, value: object, supported: Iterable[object] | 
 
 # --- compressed-tensors ---------------------------------------------------------------------------------
 
-_CT_FORMATS = ("float-quantized", "naive-quantized", "nvfp4-pack-quantized")
+_CT_FORMATS = ("float-quantized", "naive-quantized", "nvfp4-pack-quantized", "pack-quantized")
 
 
 def _compressed_tensors(qc: Mapping[str, Any], source: str) -> QuantConfig:
@@ -170,17 +174,35 @@ def _compressed_tensors(qc: Mapping[str, Any], source: str) -> QuantConfig:
 
 
 def _with_act(scheme: WeightScheme, act: int | None) -> WeightScheme:
-    return WeightScheme(format=scheme.format, bits=scheme.bits, group_size=scheme.group_size, block=scheme.block,
-                        symmetric=scheme.symmetric, scale_name=scheme.scale_name,
-                        zero_point_offset=scheme.zero_point_offset, act_dynamic_fp8=act)
+    return dataclasses.replace(scheme, act_dynamic_fp8=act)
 
 
 def _ct_weight_scheme(w: Mapping[str, Any], fmt: str, where: str, source: str) -> WeightScheme:
     kind, bits, strategy = w.get("type", "int"), w.get("num_bits"), w.get("strategy")
     if w.get("dynamic"):
         raise _refuse(source, f"{where}.dynamic", w["dynamic"], "false")
-    if w.get("actorder") not in (None, "static", "weight"):
-        raise _refuse(source, f"{where}.actorder", w["actorder"], "null, 'static', 'weight'")
+    actorder = w.get("actorder")
+    if actorder is True or actorder == "group":  # compressed-tensors reads actorder true as "group"
+        if fmt != "pack-quantized":
+            raise _refuse(source, f"{where}.actorder", actorder, "null, 'static', 'weight' for " + fmt)
+    elif actorder not in (None, False, "static", "weight"):
+        raise _refuse(source, f"{where}.actorder", actorder, "null, 'static', 'weight', 'group'")
+    if fmt == "pack-quantized":
+        # llm-compressor W4A16 / W8A16: symmetric or not, one scale per output channel or per group of inputs
+        if kind != "int" or bits not in (4, 8):
+            raise _refuse(source, f"{where} type/num_bits", f"{kind}/{bits}", "int/4, int/8 for pack-quantized")
+        if strategy == "channel":
+            group = 0
+        elif strategy == "group":
+            size = w.get("group_size")
+            if not isinstance(size, int) or size <= 0:
+                raise _refuse(source, f"{where}.group_size", size, "a positive number")
+            group = size
+        else:
+            raise _refuse(source, f"{where}.strategy", strategy, ("channel", "group"))
+        is_group_order = (actorder is True or actorder == "group") and strategy == "group"
+        return WeightScheme(format=WeightFormat.INT_CT, bits=int(bits), group_size=group,
+                            symmetric=bool(w.get("symmetric", True)), act_order=is_group_order)
     if fmt in ("float-quantized", "naive-quantized"):
         if kind != "float" or bits != 8:
             raise _refuse(source, f"{where} type/num_bits", f"{kind}/{bits}", "float/8 for " + fmt)
@@ -210,6 +232,8 @@ def _ct_activation(a: Any, scheme: WeightScheme, where: str, source: str) -> int
         raise ModelLoadError(source, f"quantization_config {where} is not an object")
     if scheme.format is WeightFormat.NVFP4_CT:
         return None
+    if scheme.format is WeightFormat.INT_CT:
+        raise _refuse(source, where, "…", "null for pack-quantized (weight-only W4A16 / W8A16)")
     kind, bits, strategy, dynamic = a.get("type"), a.get("num_bits"), a.get("strategy"), a.get("dynamic")
     if kind != "float" or bits != 8:
         raise _refuse(source, f"{where} type/num_bits", f"{kind}/{bits}", "float/8")

@@ -1,0 +1,92 @@
+"""MoE models on the triton backend (CPU, TRITON_INTERPRET=1): the routed experts run in the fused-MoE kernel,
+dense or, with ``--quant-dequant per-product``, packed and dequantised in the tile; the logits and greedy
+tokens equal the torch backend's on the same checkpoint (experts dequantised at load). Checkpoints are tiny
+random Qwen2-MoE (shared expert) and Mixtral written by transformers (tests/integration/test_moe_equivalence.py),
+quantized into AWQ and compressed-tensors FP8 by tests/unit/quant_checkpoints.py. Tolerance 1e-3: float32,
+summation order only. Run this file in its own process (triton under the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if "triton" in sys.modules:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(sys.modules["triton"].language.standard.sum, InterpretedFunction):
+        raise RuntimeError("triton was imported without TRITON_INTERPRET=1; run this file in its own process")
+_previous = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    pytest.importorskip("triton", reason="triton is not installed")
+    from services.engine.kernels import fused_moe  # noqa: F401  (imported under the interpreter)
+    from services.engine.model import triton_attention  # noqa: F401
+finally:
+    if _previous is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _previous
+
+from services.engine.errors import ModelLoadError  # noqa: E402
+from services.engine.model.loader import load_model  # noqa: E402
+from services.engine.model.model import MoE  # noqa: E402
+from tests.integration.test_moe_equivalence import _prompts, _variants, _write  # noqa: E402
+from tests.unit import quant_checkpoints as qc  # noqa: E402
+from tests.unit.engine.model_helpers import make_runner, reversed_blocks, runner_greedy  # noqa: E402
+
+FP8 = {"num_bits": 8, "type": "float"}
+QUANT = {
+    "awq": (qc.awq(16), {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"}),
+    "fp8-channel": (qc.fp8_channel, qc.ct_config("float-quantized", {**FP8, "strategy": "channel"})),
+}
+
+
+@pytest.fixture(autouse=True)
+def _interpreting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _run(path: Path, prompt: list[int], forced: list[int] | None, **load: object
+         ) -> tuple[list[int], torch.Tensor, torch.nn.Module]:
+    model, cfg = load_model(path, **load)  # type: ignore[arg-type]
+    tokens, logits = runner_greedy(make_runner(model, cfg), prompt, 5, reversed_blocks(12), forced=forced)
+    return tokens, logits, model
+
+
+@pytest.mark.parametrize("variant_name", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("quant", [None, *QUANT])
+def test_the_fused_moe_kernel_serves_what_the_torch_moe_does(tmp_path: Path, variant_name: str,
+                                                              quant: str | None) -> None:
+    family, kwargs = _variants()[variant_name]
+    path = _write(tmp_path / "dense", family, kwargs)
+    if quant is not None:
+        quantizer, config = QUANT[quant]
+        qc.quantize_checkpoint(path, tmp_path / "q", tmp_path / "twin", quantizer, config)
+        path = tmp_path / "q"
+    prompt = _prompts(4, 1)[0]
+    ref_tokens, ref_logits, _ = _run(path, prompt, None)
+    tokens, logits, model = _run(path, prompt, ref_tokens, backend="triton", quant_dequant="per-product")
+    sparse = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]  # type: ignore[attr-defined]
+    assert sparse
+    for moe in sparse:
+        if quant is None:
+            assert moe.gate_up_experts is None
+        else:  # the experts stayed packed: the dense weights are gone
+            assert moe.gate_up_experts.kind == ("int" if quant == "awq" else "fp8")
+            assert moe.down_experts is not None and moe.gate_up_weight.numel() == 0
+    torch.testing.assert_close(logits, ref_logits, atol=1e-3, rtol=1e-3)
+    assert tokens == ref_tokens
+
+
+def test_packed_experts_on_the_torch_backend_are_refused_naming_the_way_out(tmp_path: Path) -> None:
+    family, kwargs = _variants()["mixtral"]
+    dense = _write(tmp_path / "dense", family, kwargs)
+    quantizer, config = QUANT["awq"]
+    qc.quantize_checkpoint(dense, tmp_path / "q", tmp_path / "twin", quantizer, config)
+    with pytest.raises(ModelLoadError, match="the triton backend's fused-MoE kernel takes them packed"):
+        load_model(tmp_path / "q", quant_dequant="per-product")
