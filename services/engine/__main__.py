@@ -68,11 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-id", help="the name clients use (default: the model's file or directory name)")
     parser.add_argument("--max-context", type=int, help="per-request limit on prompt + max_tokens")
     parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="KV cache storage dtype")
-    parser.add_argument("--quant-dequant", choices=list(QUANT_DEQUANT_MODES), default="auto",
+    parser.add_argument("--quant-dequant", choices=list(QUANT_DEQUANT_MODES), default="load",
                         help="a quantized checkpoint (FP8, NVFP4, AWQ, GPTQ): dequantise its weights once at load "
                              "(dense memory, dense speed) or inside every product (per-product: the packed bytes "
                              "stay resident; on the triton backend the Triton GEMMs dequantise in the tile); "
-                             "auto (default): per-product on the triton backend, load on torch")
+                             "auto: per-product on the triton backend, load on torch. Default load: the in-tile "
+                             "kernels are interpreter-tested only, not yet run on a GPU (docs/quantization.md)")
     parser.add_argument("--max-concurrency", type=int, default=8, help="lanes: requests running at once")
     parser.add_argument("--max-pending-requests", type=int, default=64, help="bounded waiting queue")
     parser.add_argument("--kv-capacity", type=_kv_capacity, metavar="TOKENS|auto",

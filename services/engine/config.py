@@ -24,7 +24,7 @@ class EngineConfig:
     kv_dtype: Literal["auto", "fp8"] = "auto"
     # A quantized checkpoint: dequantise once at load ("load") or inside every product ("per-product": the
     # Triton GEMMs on the triton backend); "auto": per-product on the triton backend, else load.
-    quant_dequant: QuantDequant = "auto"
+    quant_dequant: QuantDequant = "load"
     kv_capacity_tokens: int | None = None
     kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION
     block_size: int = 16

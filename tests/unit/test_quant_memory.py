@@ -59,7 +59,8 @@ def test_the_quant_dequant_flag_reaches_the_engine_config_and_refuses_other_valu
         add_arguments(parser)
         return parser.parse_args([str(model), "--data-dir", str(tmp_path), *flags])
 
-    assert build_config(cli())[0].quant_dequant == "auto"
+    assert build_config(cli())[0].quant_dequant == "load"  # the in-tile kernels only when asked (not GPU-run yet)
+    assert build_config(cli("--quant-dequant", "auto"))[0].quant_dequant == "auto"
     assert build_config(cli("--quant-dequant", "load"))[0].quant_dequant == "load"
     assert build_config(cli("--quant-dequant", "per-product"))[0].quant_dequant == "per-product"
     with pytest.raises(SystemExit):
