@@ -204,8 +204,9 @@ class Forwarder:
             outcome.member_id = member_id
             outcome.routing_reason = decision.reason if attempt == 0 else f"failover:{decision.reason}"
             pending = max(0, prompt_chars - decision.affinity_chars(member_id))
-            self.fleet.book(member_id)
-            self.fleet.attempt(member_id, time.time())
+            routed_s = time.time()
+            self.fleet.book(member_id, routed_s)
+            self.fleet.attempt(member_id, routed_s)
             self.fleet.add_pending_prefill(member_id, pending)
             prefill_done = _Once(functools.partial(self.fleet.add_pending_prefill, member_id, -pending))
             # Affinity and pins are recorded at the first byte (docs/routing.md §4; issue #29: recorded after the
@@ -251,7 +252,8 @@ class Forwarder:
                 continue
             finally:
                 prefill_done()
-                self.fleet.release(member_id)
+                finished = outcome.status == "ok" and outcome.meter.is_final
+                self.fleet.release(member_id, time.time() - routed_s if finished else None)
             if outcome.meter.admitted:  # the member's own count teaches its characters per token
                 self.fleet.note_prompt(member_id, prompt_chars, outcome.meter.prompt_tokens)
             if outcome.status == "ok":

@@ -199,7 +199,8 @@ class Router:
                 admitted=fleet.admitted(ref.member_id), in_flight=rec.in_flight,
                 is_down=fleet.is_down(ref.member_id, now_s), pending_prefill_chars=rec.pending_prefill_chars,
                 recent_routes=routes.recent.get(ref.member_id, 0.0), routes_today=today[ref.member_id],
-                chars_per_token=rec.chars_per_token,
+                chars_per_token=rec.chars_per_token, routed_since_heartbeat=fleet.unseen(ref.member_id),
+                mean_service_s=rec.mean_service_s, joules_per_output_token=rec.joules_per_output_token,
             ))
         return out
 
@@ -242,6 +243,8 @@ class Router:
             "cache_hit_pct": (100.0 * (hb.prompt_tokens_hit_total or 0) / queried) if hb and queried else None,
             "capacity_weight": effective_weight(ref, hb), "down": fleet.is_down(ref.member_id, now_s),
             "chars_per_token": round(rec.chars_per_token, 3) if rec.chars_per_token else None,
+            "mean_service_s": round(rec.mean_service_s, 3) if rec.mean_service_s is not None else None,
+            "joules_per_output_token": rec.joules_per_output_token,
             "breaker": rec.breaker.describe(now_s),
             "breaker_state": STATE_CODE[rec.breaker.state(now_s)],
         }

@@ -137,7 +137,8 @@ class GatewayService:
         subs = [await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.heartbeats.on_heartbeat),
                 await self.nc.subscribe(subjects.AUTH_CHECK, cb=self.peers._on_auth_check),
                 await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self.pools_file._on_config_changed),
-                await self.nc.subscribe(subjects.QUOTA_ALL, cb=self.peers._on_limit_counters_elsewhere)]
+                await self.nc.subscribe(subjects.QUOTA_ALL, cb=self.peers._on_limit_counters_elsewhere),
+                await self.nc.subscribe(subjects.ENERGY_SUBJECTS, cb=self.heartbeats.on_energy)]
         await self.heartbeats.load_known_workers()
         await self.usage.start()
         async with self.http, asyncio.TaskGroup() as tasks:
