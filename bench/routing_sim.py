@@ -54,6 +54,7 @@ from services.gateway.routing import (  # noqa: E402
     load_score,
     pick,
     prefix_hashes,
+    record_peer_route,
     record_route,
 )
 
@@ -227,7 +228,8 @@ def make_workload(name: str, load: float, duration_s: float, seed: int) -> Workl
         segs = [(session.system[0], session.system[1])] + [(s, n) for s, n, _, _ in session.history]
         msgs = [{"role": "system", "content": session.system[2]}]
         msgs += [{"role": role, "content": text} for _, _, role, text in session.history]
-        r = Req(next(rid), at, session.key if SESSION_HEADERS else None, segs, msgs, rng.randint(80, 250), texts.make(0, "assistant")[0], session)
+        r = Req(next(rid), at, session.key if SESSION_HEADERS else None, segs, msgs, rng.randint(80, 250),
+                texts.make(0, "assistant")[0], session)
         session.turns_left -= 1
         return r
 
@@ -565,7 +567,7 @@ class Ours(Policy):
                 routed_total=rec.routed_total, admitted=self.fleet.admitted(wid), in_flight=rec.in_flight,
                 pending_prefill_chars=rec.pending_prefill_chars, chars_per_token=rec.chars_per_token,
                 routed_since_heartbeat=self.fleet.unseen(wid), mean_service_s=rec.mean_service_s,
-                joules_per_output_token=rec.joules_per_output_token,
+                joules_per_output_token=rec.joules_per_output_token, peer_unseen=self.fleet.peer_unseen(wid),
             ))
         request = RouteRequest(session_key=r.session_key, is_session_header=r.chat is not None,
                                prefix_keys=prefix_hashes(r.messages), prompt_tokens=r.prompt_tokens)
@@ -574,9 +576,13 @@ class Ours(Policy):
         self._last = (request, p)
         return self.index[p.member_id]
 
+    peers: tuple[Ours, ...] = ()  # --share: the other replicas, told of each route and first byte (RouteNotes)
+
     def book(self, i: int) -> None:
         super().book(i)
         self.fleet.book(self.ids[i], self._now)
+        for peer in self.peers:
+            peer.fleet.note_peer_route(self.ids[i], self._now)
 
     def routed_ok(self, r: Req, i: int, now: float) -> None:
         assert self._last is not None
@@ -603,8 +609,13 @@ class Ours(Policy):
         self.fleet.add_pending_prefill(self.ids[i], -chars)
         request, p = self.picks.pop(r.rid)
         rec = self.fleet.record(self.ids[i])
+        capacity = cache_capacity_chars(rec.heartbeat, rec.chars_per_token)
         record_route(self.policy, request, p, self.ids[i], self.affinity, self.pins, now,  # type: ignore[arg-type]
-                     cache_capacity_chars(rec.heartbeat, rec.chars_per_token))
+                     capacity)
+        for peer in self.peers:
+            key = request.session_key if request.is_session_header else None
+            record_peer_route(peer.policy, request.prefix_keys, key, self.ids[i], peer.affinity, peer.pins, now,
+                              capacity)
         self.fleet.note_prompt(self.ids[i], sum(len(m["content"]) for m in r.messages), r.prompt_tokens)
 
 
@@ -622,6 +633,7 @@ POLICIES: dict[str, type[Policy]] = {
 }
 DEFAULT_POLICIES = ("random", "round_robin", "least_loaded", "dynamo", "go_gateway", "ours")
 SESSION_HEADERS = True  # --no-session-header: chat requests carry no X-Session-Id
+SHARE_ROUTES = True  # --no-share: gateway replicas do not exchange RouteNotes
 
 
 # --- the event loop ----------------------------------------------------------------------------------
@@ -657,6 +669,10 @@ def simulate(workload_name: str, load: float, policy_name: str, duration_s: floa
     # them at random, as a load balancer in front would
     gateways = [cls(engines, random.Random(f"{seed}/{k}"), gateway=gateway_id(k)) if issubclass(cls, Ours)
                 else cls(engines, random.Random(f"{seed}/{k}")) for k in range(NUM_GATEWAYS)]
+    if SHARE_ROUTES:
+        for g in gateways:
+            if isinstance(g, Ours):
+                g.peers = tuple(x for x in gateways if x is not g and isinstance(x, Ours))
     spread = random.Random(f"spread/{seed}")
     gateway_of: dict[int, Policy] = {}
     events: list[tuple[float, int, int, object]] = []  # (time, seq, kind, payload)
@@ -791,7 +807,8 @@ def table(results: list[Result], markdown: bool) -> str:
     head = ["workload", "load", "policy", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "req/s", "prefix hit %",
             "ideal %", "pooled %", "rejected", "requests", "J/out tok"]
     rows = [[r.workload, f"{r.load:.2f}", r.policy, f"{r.ttft_p50_ms:.0f}", f"{r.ttft_p90_ms:.0f}",
-             f"{r.ttft_p99_ms:.0f}", f"{r.throughput_rps:.2f}", f"{r.prefix_hit_pct:.1f}", f"{r.ideal_hit_pct:.1f}", f"{r.pooled_hit_pct:.1f}",
+             f"{r.ttft_p99_ms:.0f}", f"{r.throughput_rps:.2f}", f"{r.prefix_hit_pct:.1f}", f"{r.ideal_hit_pct:.1f}",
+             f"{r.pooled_hit_pct:.1f}",
              str(r.rejected), str(r.requests), f"{r.j_per_output_token:.3f}"] for r in results]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -862,6 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-kind", choices=("native", "vllm"), default="native",
                     help="how engines report: our engine's heartbeat, or vLLM's /metrics as telemetry normalizes it")
     ap.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S)
+    ap.add_argument("--no-share", action="store_true", help="replicas do not share routes (RouteNotes)")
     ap.add_argument("--no-session-header", action="store_true", help="chat requests carry no X-Session-Id")
     ap.add_argument("--busy-watts", default="300",
                     help="per-engine power while stepping, comma-separated, cycled (e.g. 300,300,200,200)")
@@ -870,6 +888,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     globals().update(CHARS_PER_TOKEN=args.chars_per_token, NUM_GATEWAYS=args.gateways, ENGINE_KIND=args.engine_kind,
                      HEARTBEAT_S=args.heartbeat_s, SESSION_HEADERS=not args.no_session_header,
+                     SHARE_ROUTES=not args.no_share,
                      BUSY_WATTS=tuple(float(w) for w in args.busy_watts.split(",")))
     duration_s, warmup_s = (60.0, 10.0) if args.quick else (240.0, 20.0)
     results = []

@@ -74,3 +74,26 @@ class EnergyReading(Message, frozen=True):
     # older readers; a reader takes the µJ delta when both readings of an interval carry energy_uj.
     energy_uj: int | None = None
     max_range_uj: int | None = None
+
+
+class RouteNote(Message, frozen=True):
+    """One route a gateway made, for its replicas (docs/routing.md §6). ``kind`` "routed": a request went to
+    ``member_id`` at ``routed_s`` (the replicas book it until the member's heartbeat can hold it); "first_byte":
+    it streamed its first byte there, so the member holds ``prefix`` (each depth's digest, depth and characters,
+    as ``services.gateway.affinity.PrefixKey``) and the session ``session_key`` (X-Session-Id only) is there."""
+
+    kind: Literal["routed", "first_byte"]
+    member_id: str
+    routed_s: float
+    prefix: list[tuple[str, int, int]] = []
+    session_key: str | None = None
+
+
+class RouteNotes(Message, frozen=True):
+    """gateway → gateways on ``llm.v1.route.<gateway_id>``: the routes it made since its previous message."""
+
+    gateway_id: str
+    session_id: str
+    seq: int
+    ts_s: float
+    notes: list[RouteNote] = []

@@ -23,6 +23,7 @@ ACCOUNTING_KEY_ENERGY = f"{PREFIX}.accounting.key_energy"  # KeyEnergyQuery -> K
 ACCOUNTING_COSTS = f"{PREFIX}.accounting.costs"
 AUTH_CHECK = f"{PREFIX}.auth.check"  # request/reply to the gateways, JSON: AuthCheck -> AuthReply
 QUOTA_ALL = f"{PREFIX}.quota.*"  # each gateway's LimitCounters (services/gateway/limits.py), see quota()
+ROUTE_ALL = f"{PREFIX}.route.*"  # each gateway's RouteNotes (services/gateway/route_sharing.py), see route()
 CONFIG_CHANGED = f"{PREFIX}.config.changed"  # JSON ConfigChanged: a gateway saved the pools file; replicas reload it
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -68,3 +69,8 @@ def usage(gateway_id: str) -> str:
 def quota(gateway_id: str) -> str:
     """LimitCounters."""
     return f"{PREFIX}.quota.{gateway_id}"
+
+
+def route(gateway_id: str) -> str:
+    """RouteNotes."""
+    return f"{PREFIX}.route.{gateway_id}"

@@ -46,6 +46,9 @@ class MemberRecord:
     # when each of our requests since the newest heartbeat's moment was routed (for members that do not count
     # our requests per gateway: fleet.unseen); trimmed at every heartbeat
     route_times: collections.deque[float] = field(default_factory=collections.deque)
+    # when each route another gateway replica announced to this member was made (RouteNote, kind "routed"): its
+    # heartbeat cannot hold those either; trimmed at every heartbeat like route_times
+    peer_route_times: collections.deque[float] = field(default_factory=collections.deque)
     mean_service_s: float | None = None  # routed -> finished, an average over recent requests
     joules_per_output_token: float | None = None  # from the member's EnergySamples (note_energy)
     energy_mark: tuple[str, float, dict[str, int]] | None = None  # last sample: (session, ts, device -> mJ)
@@ -80,6 +83,8 @@ class Fleet:
         taken_s = min(hb.ts_s, now_s)
         while rec.route_times and rec.route_times[0] <= taken_s:
             rec.route_times.popleft()
+        while rec.peer_route_times and rec.peer_route_times[0] <= taken_s:
+            rec.peer_route_times.popleft()
         return True
 
     def record(self, member_id: str) -> MemberRecord:
@@ -111,6 +116,25 @@ class Fleet:
         if rec.heartbeat is None or self.admitted(member_id) is not None:
             return None
         return len(rec.route_times)
+
+    def note_peer_route(self, member_id: str, routed_s: float) -> None:
+        """Another gateway replica routed a request to the member at ``routed_s`` (its RouteNote)."""
+        times = self.record(member_id).peer_route_times
+        if times and routed_s < times[-1]:  # notes from several peers interleave: keep the deque ordered
+            times.append(routed_s)
+            ordered = sorted(times)
+            times.clear()
+            times.extend(ordered)
+        else:
+            times.append(routed_s)
+
+    def peer_unseen(self, member_id: str) -> int:
+        """Requests other replicas routed to the member after the moment its newest heartbeat describes."""
+        rec = self.record(member_id)
+        if rec.heartbeat is None:
+            return 0
+        taken_s = min(rec.heartbeat.ts_s, rec.received_s or rec.heartbeat.ts_s)
+        return sum(1 for t in rec.peer_route_times if t > taken_s)
 
     def book(self, member_id: str, now_s: float | None = None) -> None:
         """A request goes to the member at ``now_s`` (wall clock, as heartbeats' ``ts_s``; None: untimed)."""

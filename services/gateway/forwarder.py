@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 from aiohttp import web
@@ -37,6 +37,9 @@ from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend
 from services.gateway.pools_file import PoolsFile
 from services.gateway.usage_meter import UsageMeter
+
+if TYPE_CHECKING:
+    from services.gateway.route_sharing import RouteSharing
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +183,7 @@ class Forwarder:
         self.metrics = metrics
         self.rng = rng
         self._quiet_log = quiet_log
+        self.sharing: RouteSharing | None = None  # set by the service: routes announced to the other replicas
 
     async def forward(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
                       resolved: pools.ResolvedPool, request_id: str, api_key_id: str | None,
@@ -206,6 +210,8 @@ class Forwarder:
             pending = max(0, prompt_chars - decision.affinity_chars(member_id))
             routed_s = time.time()
             self.fleet.book(member_id, routed_s)
+            if self.sharing is not None:
+                self.sharing.routed(member_id, routed_s)
             self.fleet.attempt(member_id, routed_s)
             self.fleet.add_pending_prefill(member_id, pending)
             prefill_done = _Once(functools.partial(self.fleet.add_pending_prefill, member_id, -pending))
@@ -279,7 +285,10 @@ class Forwarder:
                         code="no_backend_available", retry_after_s=5)
 
     def _record_route(self, decision: routing_adapter.Decision, member_id: str) -> None:
-        self.router.record_success(decision, member_id, self.fleet, time.time())
+        now_s = time.time()
+        self.router.record_success(decision, member_id, self.fleet, now_s)
+        if self.sharing is not None:
+            self.sharing.first_byte(decision, member_id, now_s)
 
     def _on_final(self, outcome: Outcome) -> Callable[[TokenChunk, float | None], None]:
         def on_final(chunk: TokenChunk, ttft_ms: float | None) -> None:

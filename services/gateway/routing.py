@@ -27,8 +27,23 @@ from services.gateway.affinity import AffinityHit, AffinityTable, PinTable, Pref
 from services.gateway.load_score import RoutingWeights, load_score, stale_limit_s
 
 __all__ = [
-    "AffinityHit", "AffinityTable", "Candidate", "MemberState", "Pick", "PinTable", "PoolPolicy", "PrefixKey",
-    "RouteRequest", "RoutingWeights", "affinity_saving", "cache_capacity_chars", "load_score", "pick", "prefix_hashes", "record_route",
+    "AffinityHit",
+    "AffinityTable",
+    "Candidate",
+    "MemberState",
+    "Pick",
+    "PinTable",
+    "PoolPolicy",
+    "PrefixKey",
+    "RouteRequest",
+    "RoutingWeights",
+    "affinity_saving",
+    "cache_capacity_chars",
+    "load_score",
+    "pick",
+    "prefix_hashes",
+    "record_peer_route",
+    "record_route",
     "unseen_bookings",
 ]
 
@@ -122,6 +137,8 @@ class MemberState:
     # members whose heartbeat does not count our requests (``admitted`` None: vLLM, llama.cpp, NInfer): our
     # requests routed after the moment its newest heartbeat describes; None: not tracked (all in-flight booked)
     routed_since_heartbeat: int | None = None
+    # requests other gateway replicas announced routing to the member since its newest heartbeat (RouteNotes)
+    peer_unseen: int = 0
     # mean seconds one of our requests holds the member (routed -> finished), measured; None: not yet known
     mean_service_s: float | None = None
     # measured energy per output token on this member (its EnergySamples, fleet.py ``note_energy``)
@@ -190,12 +207,13 @@ class Pick:
 
 
 def unseen_bookings(m: MemberState) -> int:
-    """Requests routed to the member that its last heartbeat cannot reflect yet (docs/routing.md §2)."""
+    """Requests routed to the member that its last heartbeat cannot reflect yet (docs/routing.md §2): ours,
+    by its admitted count or by what was routed since its heartbeat, plus other replicas' (``peer_unseen``)."""
     if m.admitted is None:
         if m.routed_since_heartbeat is not None:  # no per-gateway count: what was routed after it was taken
-            return max(0, min(m.in_flight, m.routed_since_heartbeat))
-        return m.in_flight
-    return max(0, min(m.in_flight, m.routed_total - m.admitted))
+            return max(0, min(m.in_flight, m.routed_since_heartbeat)) + m.peer_unseen
+        return m.in_flight + m.peer_unseen
+    return max(0, min(m.in_flight, m.routed_total - m.admitted)) + m.peer_unseen
 
 
 def _backlog(m: MemberState, booked: int) -> float:
@@ -407,7 +425,8 @@ def _prefill_saved_s(m: MemberState, matched_chars: int) -> float | None:
 
 def _energy_tiebreak(margin: float, ranked: Sequence[Candidate]) -> Candidate | None:
     """§3 "Energy tie-break": the non-busy member, within ``margin`` of the cheapest's cost, with the lowest
-    measured J/output-token, when that is :data:`ENERGY_MIN_GAIN` lower than the cheapest's own; None: the cheapest stays. Only members
+    measured J/output-token, when that is :data:`ENERGY_MIN_GAIN` lower than the cheapest's own; None: the
+    cheapest stays. Only members
     with a measured figure compete (an unmeasured one is never assumed efficient)."""
     if margin <= 0 or len(ranked) < 2 or ranked[0].is_busy or ranked[0].joules_per_output_token is None:
         return None
@@ -492,6 +511,18 @@ def cache_capacity_chars(hb: SlotHeartbeat | None, chars_per_token: float | None
     if hb is None or not hb.kv_capacity_tokens:
         return None
     return int(hb.kv_capacity_tokens * (chars_per_token or CHARS_PER_TOKEN))
+
+
+def record_peer_route(policy: PoolPolicy, prefix_keys: Sequence[PrefixKey], session_key: str | None,
+                      served_by: str, affinity: AffinityTable | None, pins: PinTable | None, now_s: float,
+                      capacity_chars: int | None = None) -> None:
+    """Another gateway replica's request reached its first byte on ``served_by`` (its RouteNote): the member now
+    holds these prefixes, and the session (if the note names one) is there, as if this gateway had routed it
+    (docs/routing.md §6: replicas that learnt only their own routes split each tenant's prefix over the pool)."""
+    if policy.cache_affinity and affinity is not None and prefix_keys:
+        affinity.record(prefix_keys, served_by, now_s, capacity_chars)
+    if pins is not None and session_key:
+        pins.pin(session_key, served_by, now_s)
 
 
 def record_route(policy: PoolPolicy, request: RouteRequest, pick_: Pick, served_by: str,

@@ -201,6 +201,7 @@ class Router:
                 recent_routes=routes.recent.get(ref.member_id, 0.0), routes_today=today[ref.member_id],
                 chars_per_token=rec.chars_per_token, routed_since_heartbeat=fleet.unseen(ref.member_id),
                 mean_service_s=rec.mean_service_s, joules_per_output_token=rec.joules_per_output_token,
+                peer_unseen=fleet.peer_unseen(ref.member_id),
             ))
         return out
 
