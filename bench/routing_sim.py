@@ -591,6 +591,8 @@ class Ours(Policy):
         chars = request.prefix_keys[-1].prefix_chars - hit if request.prefix_keys else 0
         self.expected_chars[r.rid] = (i, chars)
         self.fleet.add_pending_prefill(self.ids[i], chars)
+        for peer in self.peers:  # RouteNote "routed" carries the prefill it queues
+            peer.fleet.add_pending_prefill(self.ids[i], chars)
         self.picks[r.rid] = (request, p)
         self.routed_s[r.rid] = now
 
@@ -607,6 +609,8 @@ class Ours(Policy):
         # the gateway's order (services/gateway/forwarder.py): affinity and pins recorded at the first byte
         i, chars = self.expected_chars.pop(r.rid)
         self.fleet.add_pending_prefill(self.ids[i], -chars)
+        for peer in self.peers:  # ... and "prefill_done" takes it off
+            peer.fleet.add_pending_prefill(self.ids[i], -chars)
         request, p = self.picks.pop(r.rid)
         rec = self.fleet.record(self.ids[i])
         capacity = cache_capacity_chars(rec.heartbeat, rec.chars_per_token)

@@ -78,15 +78,19 @@ class EnergyReading(Message, frozen=True):
 
 class RouteNote(Message, frozen=True):
     """One route a gateway made, for its replicas (docs/routing.md §6). ``kind`` "routed": a request went to
-    ``member_id`` at ``routed_s`` (the replicas book it until the member's heartbeat can hold it); "first_byte":
+    ``member_id`` at ``routed_s`` (the replicas book it until the member's heartbeat can hold it, and count its
+    queued prefill until "prefill_done"); "first_byte":
     it streamed its first byte there, so the member holds ``prefix`` (each depth's digest, depth and characters,
     as ``services.gateway.affinity.PrefixKey``) and the session ``session_key`` (X-Session-Id only) is there."""
 
-    kind: Literal["routed", "first_byte"]
+    kind: Literal["routed", "first_byte", "prefill_done"]
     member_id: str
     routed_s: float
     prefix: list[tuple[str, int, int]] = []
     session_key: str | None = None
+    # "routed": the prompt characters it queues for prefill there (less the cached prefix expected); "prefill_done"
+    # (first byte, or the attempt ended): the same figure taken off again
+    pending_chars: int = 0
 
 
 class RouteNotes(Message, frozen=True):

@@ -211,10 +211,10 @@ class Forwarder:
             routed_s = time.time()
             self.fleet.book(member_id, routed_s)
             if self.sharing is not None:
-                self.sharing.routed(member_id, routed_s)
+                self.sharing.routed(member_id, routed_s, pending)
             self.fleet.attempt(member_id, routed_s)
             self.fleet.add_pending_prefill(member_id, pending)
-            prefill_done = _Once(functools.partial(self.fleet.add_pending_prefill, member_id, -pending))
+            prefill_done = _Once(functools.partial(self._prefill_done, member_id, pending))
             # Affinity and pins are recorded at the first byte (docs/routing.md §4; issue #29: recorded after the
             # whole answer, a tenant's next requests did not know for seconds where its prefix was)
             recorded = _Once(functools.partial(self._record_route, decision, member_id))
@@ -283,6 +283,11 @@ class Forwarder:
         outcome.member_id = ""
         raise HTTPError(503, f"no engine of '{parsed.model}' can take the request right now; retry shortly",
                         code="no_backend_available", retry_after_s=5)
+
+    def _prefill_done(self, member_id: str, pending: int) -> None:
+        self.fleet.add_pending_prefill(member_id, -pending)
+        if self.sharing is not None:
+            self.sharing.prefill_done(member_id, pending, time.time())
 
     def _record_route(self, decision: routing_adapter.Decision, member_id: str) -> None:
         now_s = time.time()

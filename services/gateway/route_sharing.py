@@ -6,7 +6,8 @@ behind a load balancer, a tenant's prefix ended up on every member and bursts he
 So every replica announces, on ``llm.v1.route.<gateway_id>``:
 
 - ``routed``: a request went to a member. Receivers book it (``Fleet.note_peer_route``) until that member's
-  heartbeat describes a moment after it (then its running/waiting hold it);
+  heartbeat describes a moment after it (then its running/waiting hold it), and count the prefill it queues
+  there until ``prefill_done`` (its first byte, or the attempt's end);
 - ``first_byte``: the member streamed the first byte, so it holds the prompt's prefixes; receivers record
   them in their affinity table, and the session's pin when the request named an ``X-Session-Id``.
 
@@ -53,8 +54,13 @@ class RouteSharing:
         if len(self._pending) > MAX_PENDING_NOTES:
             del self._pending[: len(self._pending) - MAX_PENDING_NOTES]
 
-    def routed(self, member_id: str, routed_s: float) -> None:
-        self._add(RouteNote(kind="routed", member_id=member_id, routed_s=routed_s))
+    def routed(self, member_id: str, routed_s: float, pending_chars: int = 0) -> None:
+        self._add(RouteNote(kind="routed", member_id=member_id, routed_s=routed_s, pending_chars=pending_chars))
+
+    def prefill_done(self, member_id: str, pending_chars: int, now_s: float) -> None:
+        if pending_chars:
+            self._add(RouteNote(kind="prefill_done", member_id=member_id, routed_s=now_s,
+                                pending_chars=pending_chars))
 
     def first_byte(self, decision: Decision, member_id: str, now_s: float) -> None:
         request = decision.request
@@ -98,6 +104,10 @@ class RouteSharing:
         for note in message.notes:
             if note.kind == "routed":
                 self.fleet.note_peer_route(note.member_id, note.routed_s)
+                self.fleet.add_pending_prefill(note.member_id, note.pending_chars)
+                continue
+            if note.kind == "prefill_done":
+                self.fleet.add_pending_prefill(note.member_id, -note.pending_chars)
                 continue
             rec = self.fleet.record(note.member_id)
             keys = tuple(PrefixKey(str(d), int(depth), int(chars)) for d, depth, chars in note.prefix)

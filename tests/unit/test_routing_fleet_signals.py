@@ -233,11 +233,14 @@ def test_route_sharing_applies_another_replicas_notes_and_ignores_its_own() -> N
     sharing = RouteSharing(None, "gw-1", "sess", fleet, router)  # type: ignore[arg-type]
     keys = prefix_hashes([{"role": "system", "content": "s" * 4000}])
     notes = RouteNotes(gateway_id="gw-2", session_id="x", seq=1, ts_s=NOW, notes=[
-        RouteNote(kind="routed", member_id="b", routed_s=100.2),
+        RouteNote(kind="routed", member_id="b", routed_s=100.2, pending_chars=4000),
+        RouteNote(kind="routed", member_id="b", routed_s=100.3, pending_chars=1000),
         RouteNote(kind="first_byte", member_id="b", routed_s=100.4,
                   prefix=[(k.digest, k.depth, k.prefix_chars) for k in keys], session_key="s-9"),
+        RouteNote(kind="prefill_done", member_id="b", routed_s=100.4, pending_chars=4000),
     ])
     sharing.apply(notes, NOW)
-    assert len(fleet.record("b").peer_route_times) == 1
+    assert len(fleet.record("b").peer_route_times) == 2
+    assert fleet.record("b").pending_prefill_chars == 4000 + 1000 - 4000  # the other replica's queued prefill
     assert router.affinity.lookup(keys, NOW).member_id == "b"  # type: ignore[union-attr]
     assert router.pins.get("s-9", NOW) == "b"
