@@ -100,7 +100,10 @@ class PoolPolicy:
     prefill_weight: float = 0.5
     api_key_sticky: float = 0.0
     max_pool_share: float = 0.0
-    energy_margin: float = 0.05
+    # off by default: bench/routing_sim.py's heterogeneous pool (300/300/200/200 W) measured no energy gain from it
+    # (J/output-token within 1 %) and a worse p90 in some cells (shared@0.5 52 -> 122 ms): a member's measured
+    # J/output-token follows its batch size far more than its hardware (docs/routing.md §3, "Energy tie-break")
+    energy_margin: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("overflow_threshold", "sticky_bias", "capacity_bias", "affinity_busy_guard", "affinity_weight",
