@@ -58,7 +58,7 @@ CAPACITY_BIAS_SCALE = 10.0
 
 # The energy tie-break switches only for a member at least this much more efficient: equal hardware measures
 # J/output-token a few per cent apart by batch size alone, and chasing that concentrates load (bench/routing_sim.py
-# with equal watts: shared@0.95 p90 3.9 -> 4.3 s without the floor)
+# with equal watts: shared@0.95 p90 3.9 -> 4.3 s without the floor, a --quick run)
 ENERGY_MIN_GAIN = 0.10
 
 _NOT_ROUTABLE = frozenset({"down", "stopped", "draining"})
@@ -101,7 +101,7 @@ class PoolPolicy:
     api_key_sticky: float = 0.0
     max_pool_share: float = 0.0
     # off by default: bench/routing_sim.py's heterogeneous pool (300/300/200/200 W) measured no energy gain from it
-    # (J/output-token within 1 %) and a worse p90 in some cells (shared@0.5 52 -> 122 ms): a member's measured
+    # (J/output-token within ±1.1 %) and p90 -18 to +9 % by cell (shared@0.8 414 -> 452 ms): a member's measured
     # J/output-token follows its batch size far more than its hardware (docs/routing.md §3, "Energy tie-break")
     energy_margin: float = 0.0
 
