@@ -56,22 +56,24 @@ class Decision:
         return {
             "member": self.pick.member_id, "reason": self.pick.reason, "ranked": list(self.pick.ranked),
             "pinned_member": self.pick.pinned_member, "pin_broken": self.pick.pin_broken,
+            "energy_over": self.pick.energy_over,
             "candidates": [asdict(c) for c in self.pick.candidates],
         }
 
 
 def policy_for(pool: PoolConfig) -> routing.PoolPolicy:
     return _policy(pool.overflow_threshold, pool.cache_affinity, pool.sticky_bias, pool.capacity_bias,
-                   pool.max_pool_share)
+                   pool.max_pool_share, pool.energy_margin)
 
 
 # Asked for on every request: built once per distinct setting (the policy and weights are frozen, so one object
 # serves every request and every pool with those values, discovered pools included).
 @lru_cache(maxsize=256)
 def _policy(overflow_threshold: float, cache_affinity: bool, sticky_bias: float, capacity_bias: float,
-            max_pool_share: float) -> routing.PoolPolicy:
+            max_pool_share: float, energy_margin: float = 0.0) -> routing.PoolPolicy:
     return routing.PoolPolicy(overflow_threshold=overflow_threshold, cache_affinity=cache_affinity,
-                              sticky_bias=sticky_bias, capacity_bias=capacity_bias, max_pool_share=max_pool_share)
+                              sticky_bias=sticky_bias, capacity_bias=capacity_bias, max_pool_share=max_pool_share,
+                              energy_margin=energy_margin)
 
 
 # Each route multiplies a pool's recent-route counts by this (then adds 1 to the member's): they weigh about the

@@ -244,3 +244,15 @@ def test_route_sharing_applies_another_replicas_notes_and_ignores_its_own() -> N
     assert fleet.record("b").pending_prefill_chars == 4000 + 1000 - 4000  # the other replica's queued prefill
     assert router.affinity.lookup(keys, NOW).member_id == "b"  # type: ignore[union-attr]
     assert router.pins.get("s-9", NOW) == "b"
+
+
+def test_the_pools_file_turns_the_energy_tie_break_on_per_pool() -> None:
+    from proto import pools as pool_config
+    from services.gateway.routing_adapter import policy_for
+
+    members = [{"backend": "bus:w1", "model_id": "m"}]
+    on = pool_config.parse({"model_pools": {"m": {"members": members, "energy_margin": 0.05}}})
+    off = pool_config.parse({"model_pools": {"m": {"members": members}}})
+    assert policy_for(on.pools["m"]).energy_margin == 0.05
+    assert policy_for(off.pools["m"]).energy_margin == 0.0  # the default: off (docs/routing.md §3)
+    assert pool_config.to_dict(on)["model_pools"]["m"]["energy_margin"] == 0.05
