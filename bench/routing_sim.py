@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from proto import SlotHeartbeat  # noqa: E402
+from proto import EnergyReading, EnergySample, RequestTokens, SlotHeartbeat  # noqa: E402
 from services.gateway.fleet import Fleet  # noqa: E402
 from services.gateway.routing import (  # noqa: E402
     AffinityTable,
@@ -54,6 +54,7 @@ from services.gateway.routing import (  # noqa: E402
     load_score,
     pick,
     prefix_hashes,
+    record_peer_route,
     record_route,
 )
 
@@ -227,7 +228,8 @@ def make_workload(name: str, load: float, duration_s: float, seed: int) -> Workl
         segs = [(session.system[0], session.system[1])] + [(s, n) for s, n, _, _ in session.history]
         msgs = [{"role": "system", "content": session.system[2]}]
         msgs += [{"role": role, "content": text} for _, _, role, text in session.history]
-        r = Req(next(rid), at, session.key, segs, msgs, rng.randint(80, 250), texts.make(0, "assistant")[0], session)
+        r = Req(next(rid), at, session.key if SESSION_HEADERS else None, segs, msgs, rng.randint(80, 250),
+                texts.make(0, "assistant")[0], session)
         session.turns_left -= 1
         return r
 
@@ -248,9 +250,27 @@ def make_workload(name: str, load: float, duration_s: float, seed: int) -> Workl
 
 
 # --- engines -----------------------------------------------------------------------------------------
+ENGINE_KIND = "native"  # --engine-kind: "native" (admitted counts per gateway) or "vllm" (vLLM's /metrics)
+NUM_GATEWAYS = 1  # --gateways: replicas, each seeing only its own in-flight; requests spread over them
+BUSY_WATTS: tuple[float, ...] = (300.0,)  # --busy-watts: per engine (cycled) while stepping
+ENERGY_SAMPLE_S = 1.0
+
+
+def gateway_id(k: int) -> str:
+    return GATEWAY_ID if NUM_GATEWAYS == 1 else f"{GATEWAY_ID}-{k}"
+
+
 class Engine:
     def __init__(self, idx: int) -> None:
         self.idx = idx
+        self.busy_watts = BUSY_WATTS[idx % len(BUSY_WATTS)]
+        self.energy_mj = 0  # cumulative, as NVML's counter: busy steps only (idle power is nobody's tokens)
+        self.output_tokens = 0  # cumulative
+        self.sampled_tokens = 0
+        self.energy_seq = 0
+        self.prefill_tokens = 0  # cumulative, for the heartbeat's measured prefill rate
+        self.prefill_mark = (0.0, 0)
+        self.admitted_by: dict[str, int] = {}
         self.worker_id = f"e{idx}"
         self.running: list[Req] = []
         self.waiting: deque[Req] = deque()
@@ -279,10 +299,11 @@ class Engine:
             self.cache.popitem(last=False)
             self.evictions += 1
 
-    def accept(self, r: Req) -> bool:
+    def accept(self, r: Req, source: str = GATEWAY_ID) -> bool:
         if len(self.waiting) >= MAX_WAITING:
             return False
         self.admitted += 1
+        self.admitted_by[source] = self.admitted_by.get(source, 0) + 1
         self.waiting.append(r)
         return True
 
@@ -309,7 +330,11 @@ class Engine:
                 prefill_tokens += chunk
                 plan.append((r, chunk))
         self.step_plan = plan
-        return STEP_BASE_S + STEP_PER_SEQ_S * len(decoding) + PREFILL_PER_TOKEN_S * prefill_tokens
+        self.prefill_tokens += prefill_tokens
+        dt = STEP_BASE_S + STEP_PER_SEQ_S * len(decoding) + PREFILL_PER_TOKEN_S * prefill_tokens
+        self.energy_mj += int(self.busy_watts * dt * 1000)
+        self.output_tokens += len(decoding)
+        return dt
 
     def finish_step(self, now: float) -> tuple[list[Req], list[Req]]:
         """Apply the planned step: (requests that streamed their first token, requests that finished)."""
@@ -337,12 +362,35 @@ class Engine:
     def heartbeat(self, now: float) -> SlotHeartbeat:
         self.seq += 1
         used = sum(r.prompt_tokens + r.generated for r in self.running) / BLOCK_TOKENS
+        t0, n0 = self.prefill_mark
+        self.prefill_mark = (now, self.prefill_tokens)
+        prefill_rate = (self.prefill_tokens - n0) / (now - t0) if now > t0 else None
+        if ENGINE_KIND == "vllm":
+            # what telemetry's vllm_reading makes of vLLM's /metrics: running/waiting, kv_cache_usage_perc,
+            # num_gpu_blocks x block_size from cache_config_info, max_num_seqs as lanes; no admitted counts, no
+            # eviction counter, no prefill rate
+            return SlotHeartbeat(
+                worker_id=self.worker_id, session_id="s", seq=self.seq, ts_s=now, model_id="m", engine_kind="vllm",
+                backend="http", lanes=LANES, running=len(self.running), waiting=len(self.waiting),
+                kv_usage=min(used / CACHE_BLOCKS, 1.0), kv_blocks_total=CACHE_BLOCKS,
+                kv_capacity_tokens=CACHE_BLOCKS * BLOCK_TOKENS, heartbeat_interval_s=HEARTBEAT_S,
+            )
         return SlotHeartbeat(
-            worker_id=self.worker_id, session_id="s", seq=self.seq, ts_s=now, model_id="m", engine_kind="ninfer",
+            worker_id=self.worker_id, session_id="s", seq=self.seq, ts_s=now, model_id="m", engine_kind="native",
             lanes=LANES, running=len(self.running), waiting=len(self.waiting), max_pending=MAX_WAITING,
             kv_usage=min(used / CACHE_BLOCKS, 1.0), kv_evictions_total=self.evictions, admitted_total=self.admitted,
-            admitted_by_gateway={GATEWAY_ID: self.admitted}, kv_capacity_tokens=CACHE_BLOCKS * BLOCK_TOKENS,
+            admitted_by_gateway=dict(self.admitted_by), kv_capacity_tokens=CACHE_BLOCKS * BLOCK_TOKENS,
+            prefill_tok_per_s=prefill_rate, heartbeat_interval_s=HEARTBEAT_S,
         )
+
+    def energy_sample(self, now: float) -> EnergySample:
+        """As the engine's energy sampler: the raw cumulative counter and the output tokens since the last one."""
+        self.energy_seq += 1
+        tokens, self.sampled_tokens = self.output_tokens - self.sampled_tokens, self.output_tokens
+        return EnergySample(worker_id=self.worker_id, session_id="s", seq=self.energy_seq, ts_s=now, model_id="m",
+                            readings=[EnergyReading(device_id=f"gpu-{self.idx}", kind="nvml", method="counter",
+                                                    energy_mj=self.energy_mj)],
+                            request_tokens=[RequestTokens(request_id="interval", output_tokens=tokens)])
 
 
 # --- policies ----------------------------------------------------------------------------------------
@@ -360,8 +408,16 @@ class Policy:
         self.in_flight = [0] * len(engines)
         self.routed = [0] * len(engines)
 
+    _now = 0.0  # the event loop's clock at the current arrival (book() has no time argument)
+
     def on_heartbeat(self, i: int, hb: SlotHeartbeat, now: float) -> None:
         self.prev[i], self.hb[i], self.hb_s[i] = self.hb[i], hb, now
+
+    def on_energy(self, sample: EnergySample) -> None:
+        pass
+
+    def finished(self, r: Req, now: float) -> None:
+        pass
 
     def choose(self, r: Req, now: float) -> int:
         raise NotImplementedError
@@ -406,7 +462,7 @@ class LeastLoaded(Policy):
     def choose(self, r: Req, now: float) -> int:
         scores = []
         for i, hb in enumerate(self.hb):
-            s = load_score("ninfer", hb, self.prev[i], 0, self.weights) if hb is not None else 0.0
+            s = load_score(hb.engine_kind, hb, self.prev[i], 0, self.weights) if hb is not None else 0.0
             scores.append(s or 0.0)
         best = min(scores)
         return self.rng.choice([i for i, s in enumerate(scores) if s == best])
@@ -445,7 +501,7 @@ class GoGateway(Policy):
         hb = self.polled[i]
         if hb is None or hb.lanes is None or hb.running is None:
             return 0.0
-        s = load_score("ninfer", hb, None, 0, self.weights) or 0.0
+        s = load_score(hb.engine_kind, hb, None, 0, self.weights) or 0.0
         return max(s, (hb.running + self.in_flight[i]) / hb.lanes)
 
     def choose(self, r: Req, now: float) -> int:
@@ -473,9 +529,14 @@ class GoGateway(Policy):
 
 
 class Ours(Policy):
+    """The gateway's router over the gateway's own bookkeeping: a :class:`Fleet` fed heartbeats, bookings at
+    routing, releases at the end (with the request's service time) and energy samples, members built as
+    ``routing_adapter.Router._states`` builds them, affinity and pins recorded at the first byte."""
+
     name = "ours"
 
-    def __init__(self, engines: list[Engine], rng: random.Random, policy: PoolPolicy | None = None) -> None:
+    def __init__(self, engines: list[Engine], rng: random.Random, policy: PoolPolicy | None = None,
+                 gateway: str = GATEWAY_ID) -> None:
         super().__init__(engines, rng)
         self.policy = policy or PoolPolicy()
         self.weights = RoutingWeights()
@@ -484,22 +545,30 @@ class Ours(Policy):
         self.ids = [e.worker_id for e in engines]
         self.index = {w: i for i, w in enumerate(self.ids)}
         self._last: tuple[RouteRequest, object] | None = None
-        self.pending_chars = [0] * len(engines)
         self.expected_chars: dict[int, tuple[int, int]] = {}  # rid → (engine, uncached chars expected)
         self.picks: dict[int, tuple[RouteRequest, object]] = {}  # rid → its routing decision, until first byte
-        self.fleet = Fleet(GATEWAY_ID)  # the gateway's per-member characters per token, learned as it learns them
+        self.routed_s: dict[int, float] = {}
+        self.fleet = Fleet(gateway)
+
+    def on_heartbeat(self, i: int, hb: SlotHeartbeat, now: float) -> None:
+        super().on_heartbeat(i, hb, now)
+        self.fleet.observe(hb, now)
+
+    def on_energy(self, sample: EnergySample) -> None:
+        self.fleet.note_energy(sample)
 
     def choose(self, r: Req, now: float) -> int:
-        members = [
-            MemberState(
-                member_id=self.ids[i], engine_kind="ninfer", capacity_weight=LANES, heartbeat=self.hb[i],
-                previous=self.prev[i], received_s=self.hb_s[i], routed_total=self.routed[i],
-                admitted=self.hb[i].admitted_by_gateway.get(GATEWAY_ID) if self.hb[i] is not None else None,
-                in_flight=self.in_flight[i], pending_prefill_chars=self.pending_chars[i],
-                chars_per_token=self.fleet.record(self.ids[i]).chars_per_token,
-            )
-            for i in range(len(self.engines))
-        ]
+        members = []
+        for wid in self.ids:
+            rec = self.fleet.record(wid)
+            members.append(MemberState(
+                member_id=wid, engine_kind=rec.heartbeat.engine_kind if rec.heartbeat else "stock",
+                capacity_weight=LANES, heartbeat=rec.heartbeat, previous=rec.previous, received_s=rec.received_s,
+                routed_total=rec.routed_total, admitted=self.fleet.admitted(wid), in_flight=rec.in_flight,
+                pending_prefill_chars=rec.pending_prefill_chars, chars_per_token=rec.chars_per_token,
+                routed_since_heartbeat=self.fleet.unseen(wid), mean_service_s=rec.mean_service_s,
+                joules_per_output_token=rec.joules_per_output_token, peer_unseen=self.fleet.peer_unseen(wid),
+            ))
         request = RouteRequest(session_key=r.session_key, is_session_header=r.chat is not None,
                                prefix_keys=prefix_hashes(r.messages), prompt_tokens=r.prompt_tokens)
         p = pick(self.policy, self.weights, members, request, self.affinity, self.pins, now, self.rng)
@@ -507,29 +576,68 @@ class Ours(Policy):
         self._last = (request, p)
         return self.index[p.member_id]
 
+    peers: tuple[Ours, ...] = ()  # --share: the other replicas, told of each route and first byte (RouteNotes)
+
+    def book(self, i: int) -> None:
+        super().book(i)
+        self.fleet.book(self.ids[i], self._now)
+        for peer in self.peers:
+            peer.fleet.note_peer_route(self.ids[i], self._now)
+
     def routed_ok(self, r: Req, i: int, now: float) -> None:
         assert self._last is not None
         request, p = self._last
         hit = next(c.affinity_chars for c in p.candidates if c.member_id == self.ids[i])  # type: ignore[attr-defined]
         chars = request.prefix_keys[-1].prefix_chars - hit if request.prefix_keys else 0
         self.expected_chars[r.rid] = (i, chars)
-        self.pending_chars[i] += chars
+        self.fleet.add_pending_prefill(self.ids[i], chars)
+        for peer in self.peers:  # RouteNote "routed" carries the prefill it queues
+            peer.fleet.add_pending_prefill(self.ids[i], chars)
         self.picks[r.rid] = (request, p)
+        self.routed_s[r.rid] = now
+
+    def unbook(self, i: int, *, admitted: bool) -> None:
+        super().unbook(i, admitted=admitted)
+        if not admitted:
+            self.fleet.unbook(self.ids[i])
+            self.fleet.release(self.ids[i])
+
+    def finished(self, r: Req, now: float) -> None:
+        self.fleet.release(self.ids[r.engine], now - self.routed_s.pop(r.rid))
 
     def first_token(self, r: Req, now: float) -> None:
         # the gateway's order (services/gateway/forwarder.py): affinity and pins recorded at the first byte
         i, chars = self.expected_chars.pop(r.rid)
-        self.pending_chars[i] -= chars
+        self.fleet.add_pending_prefill(self.ids[i], -chars)
+        for peer in self.peers:  # ... and "prefill_done" takes it off
+            peer.fleet.add_pending_prefill(self.ids[i], -chars)
         request, p = self.picks.pop(r.rid)
-        cpt = self.fleet.record(self.ids[i]).chars_per_token
+        rec = self.fleet.record(self.ids[i])
+        capacity = cache_capacity_chars(rec.heartbeat, rec.chars_per_token)
         record_route(self.policy, request, p, self.ids[i], self.affinity, self.pins, now,  # type: ignore[arg-type]
-                     cache_capacity_chars(self.hb[i], cpt))
+                     capacity)
+        for peer in self.peers:
+            key = request.session_key if request.is_session_header else None
+            record_peer_route(peer.policy, request.prefix_keys, key, self.ids[i], peer.affinity, peer.pins, now,
+                              capacity)
         self.fleet.note_prompt(self.ids[i], sum(len(m["content"]) for m in r.messages), r.prompt_tokens)
 
 
+class OursEnergy(Ours):
+    """``ours`` with the energy tie-break on (energy_margin 0.05; the default is off): compare with --busy-watts."""
+
+    name = "ours_energy"
+
+    def __init__(self, engines: list[Engine], rng: random.Random, gateway: str = GATEWAY_ID) -> None:
+        super().__init__(engines, rng, PoolPolicy(energy_margin=0.05), gateway)
+
+
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (RandomPolicy, RoundRobin, LeastLoaded, Dynamo, GoGateway, Ours)
+    p.name: p for p in (RandomPolicy, RoundRobin, LeastLoaded, Dynamo, GoGateway, Ours, OursEnergy)
 }
+DEFAULT_POLICIES = ("random", "round_robin", "least_loaded", "dynamo", "go_gateway", "ours")
+SESSION_HEADERS = True  # --no-session-header: chat requests carry no X-Session-Id
+SHARE_ROUTES = True  # --no-share: gateway replicas do not exchange RouteNotes
 
 
 # --- the event loop ----------------------------------------------------------------------------------
@@ -546,6 +654,8 @@ class Result:
     pooled_hit_pct: float
     rejected: int
     requests: int
+    j_per_output_token: float = float("nan")
+    ttft_p99_ms: float = float("nan")
 
 
 def _pct(sorted_values: list[float], q: float) -> float:
@@ -558,10 +668,20 @@ def simulate(workload_name: str, load: float, policy_name: str, duration_s: floa
              warmup_s: float) -> Result:
     wl = make_workload(workload_name, load, duration_s, seed)
     engines = [Engine(i) for i in range(NUM_ENGINES)]
-    policy = POLICIES[policy_name](engines, random.Random(seed))
+    cls = POLICIES[policy_name]
+    # several gateways: each its own instance (its own in-flight, tables and fleet view); requests spread over
+    # them at random, as a load balancer in front would
+    gateways = [cls(engines, random.Random(f"{seed}/{k}"), gateway=gateway_id(k)) if issubclass(cls, Ours)
+                else cls(engines, random.Random(f"{seed}/{k}")) for k in range(NUM_GATEWAYS)]
+    if SHARE_ROUTES:
+        for g in gateways:
+            if isinstance(g, Ours):
+                g.peers = tuple(x for x in gateways if x is not g and isinstance(x, Ours))
+    spread = random.Random(f"spread/{seed}")
+    gateway_of: dict[int, Policy] = {}
     events: list[tuple[float, int, int, object]] = []  # (time, seq, kind, payload)
     seq = 0
-    arrival, step_end, heartbeat = 0, 1, 2
+    arrival, step_end, heartbeat, energy = 0, 1, 2, 3
 
     def push(t: float, kind: int, payload: object) -> None:
         nonlocal seq
@@ -572,6 +692,7 @@ def simulate(workload_name: str, load: float, policy_name: str, duration_s: floa
         push(r.arrival_s, arrival, r)
     for e in engines:
         push(e.idx * HEARTBEAT_S / NUM_ENGINES, heartbeat, e)
+        push(ENERGY_SAMPLE_S * (1 + e.idx / NUM_ENGINES), energy, e)
     done: list[Req] = []
     end_s = duration_s + 120.0  # drain
 
@@ -589,15 +710,18 @@ def simulate(workload_name: str, load: float, policy_name: str, duration_s: floa
         if kind == arrival:
             r = payload
             assert isinstance(r, Req)
+            policy = gateway_of[r.rid] = gateways[spread.randrange(NUM_GATEWAYS)]
+            policy._now = now
             i = policy.choose(r, now)
             policy.book(i)
             r.engine = i
-            if engines[i].accept(r):
+            if engines[i].accept(r, gateway_id(gateways.index(policy))):
                 policy.routed_ok(r, i, now)
                 kick(engines[i], now)
             else:
                 r.rejected = True
                 policy.unbook(i, admitted=False)
+                del gateway_of[r.rid]
                 done.append(r)
                 nxt = wl.next_turn(r, now)
                 if nxt is not None:
@@ -608,20 +732,32 @@ def simulate(workload_name: str, load: float, policy_name: str, duration_s: floa
             e.is_stepping = False
             started, finished = e.finish_step(now)
             for r in started:
-                policy.first_token(r, now)
+                gateway_of[r.rid].first_token(r, now)
             for r in finished:
+                policy = gateway_of.pop(r.rid)
                 policy.unbook(r.engine, admitted=True)
+                policy.finished(r, now)
                 done.append(r)
                 nxt = wl.next_turn(r, now)
                 if nxt is not None and nxt.arrival_s < duration_s:
                     push(nxt.arrival_s, arrival, nxt)
             kick(e, now)
+        elif kind == heartbeat:
+            e = payload
+            assert isinstance(e, Engine)
+            hb = e.heartbeat(now)
+            for g in gateways:
+                g.on_heartbeat(e.idx, hb, now)
+            if now < duration_s + 60:
+                push(now + HEARTBEAT_S, heartbeat, e)
         else:
             e = payload
             assert isinstance(e, Engine)
-            policy.on_heartbeat(e.idx, e.heartbeat(now), now)
+            sample = e.energy_sample(now)
+            for g in gateways:
+                g.on_energy(sample)
             if now < duration_s + 60:
-                push(now + HEARTBEAT_S, heartbeat, e)
+                push(now + ENERGY_SAMPLE_S, energy, e)
 
     measured = [r for r in done if r.arrival_s >= warmup_s]
     served = [r for r in measured if not r.rejected]
@@ -632,7 +768,9 @@ def simulate(workload_name: str, load: float, policy_name: str, duration_s: floa
     return Result(workload_name, load, policy_name, _pct(ttfts, 0.5), _pct(ttfts, 0.9),
                   len(served) / max(last - warmup_s, 1e-9), 100 * cached / max(prompt, 1),
                   ideal_hit_pct(done, warmup_s), ideal_hit_pct(done, warmup_s, NUM_ENGINES * CACHE_BLOCKS),
-                  sum(r.rejected for r in measured), len(measured))
+                  sum(r.rejected for r in measured), len(measured),
+                  sum(e.energy_mj for e in engines) / 1000 / max(1, sum(e.output_tokens for e in engines)),
+                  _pct(ttfts, 0.99))
 
 
 def ideal_hit_pct(done: list[Req], warmup_s: float, cache_blocks: int | None = None) -> float:
@@ -670,11 +808,12 @@ LOADS = (0.5, 0.8, 0.95)
 
 
 def table(results: list[Result], markdown: bool) -> str:
-    head = ["workload", "load", "policy", "TTFT p50 ms", "TTFT p90 ms", "req/s", "prefix hit %", "ideal %",
-            "pooled %", "rejected", "requests"]
+    head = ["workload", "load", "policy", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "req/s", "prefix hit %",
+            "ideal %", "pooled %", "rejected", "requests", "J/out tok"]
     rows = [[r.workload, f"{r.load:.2f}", r.policy, f"{r.ttft_p50_ms:.0f}", f"{r.ttft_p90_ms:.0f}",
-             f"{r.throughput_rps:.2f}", f"{r.prefix_hit_pct:.1f}", f"{r.ideal_hit_pct:.1f}", f"{r.pooled_hit_pct:.1f}",
-             str(r.rejected), str(r.requests)] for r in results]
+             f"{r.ttft_p99_ms:.0f}", f"{r.throughput_rps:.2f}", f"{r.prefix_hit_pct:.1f}", f"{r.ideal_hit_pct:.1f}",
+             f"{r.pooled_hit_pct:.1f}",
+             str(r.rejected), str(r.requests), f"{r.j_per_output_token:.3f}"] for r in results]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -692,7 +831,9 @@ def verdict(results: list[Result]) -> list[str]:
         if "ours" not in cell:
             continue
         ours = cell["ours"]
-        baselines = [r for p, r in cell.items() if p != "ours"]
+        baselines = [r for p, r in cell.items() if not p.startswith("ours")]
+        if not baselines:
+            continue
         best = min(baselines, key=lambda r: r.ttft_p90_ms)
         rr = cell.get("round_robin")
         ratio = f", round-robin/ours p90 = {rr.ttft_p90_ms / ours.ttft_p90_ms:.1f}x" if rr else ""
@@ -737,11 +878,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--loads", default=",".join(str(x) for x in LOADS))
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"of {', '.join(POLICIES)}")
+    ap.add_argument("--gateways", type=int, default=1, help="gateway replicas, each seeing only its own in-flight")
+    ap.add_argument("--engine-kind", choices=("native", "vllm"), default="native",
+                    help="how engines report: our engine's heartbeat, or vLLM's /metrics as telemetry normalizes it")
+    ap.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S)
+    ap.add_argument("--no-share", action="store_true", help="replicas do not share routes (RouteNotes)")
+    ap.add_argument("--no-session-header", action="store_true", help="chat requests carry no X-Session-Id")
+    ap.add_argument("--busy-watts", default="300",
+                    help="per-engine power while stepping, comma-separated, cycled (e.g. 300,300,200,200)")
     ap.add_argument("--chars-per-token", type=float, default=4.0,
                     help="characters per token of the simulated text (real text: 3-6)")
     args = ap.parse_args(argv)
-    globals()["CHARS_PER_TOKEN"] = args.chars_per_token
+    globals().update(CHARS_PER_TOKEN=args.chars_per_token, NUM_GATEWAYS=args.gateways, ENGINE_KIND=args.engine_kind,
+                     HEARTBEAT_S=args.heartbeat_s, SESSION_HEADERS=not args.no_session_header,
+                     SHARE_ROUTES=not args.no_share,
+                     BUSY_WATTS=tuple(float(w) for w in args.busy_watts.split(",")))
     duration_s, warmup_s = (60.0, 10.0) if args.quick else (240.0, 20.0)
     results = []
     t0 = time.perf_counter()
@@ -754,7 +906,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in verdict(results):
         print(line)
     print(f"\n{len(results)} runs in {time.perf_counter() - t0:.1f} s (seed {args.seed}, {duration_s:.0f} s arrivals, "
-          f"{args.chars_per_token:g} characters per token)")
+          f"{args.chars_per_token:g} characters per token, {args.gateways} gateway(s), {args.engine_kind} engines, "
+          f"{args.heartbeat_s:g} s heartbeats, session headers {'off' if args.no_session_header else 'on'}, "
+          f"busy watts {args.busy_watts})")
     if not args.no_plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")

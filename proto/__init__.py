@@ -32,7 +32,7 @@ from proto.admin import (
     WorkerMetrics,
 )
 from proto.codec import ProtoDecodeError, decode, decode_json, encode, encode_json
-from proto.fleet import EnergyReading, SlotHeartbeat
+from proto.fleet import EnergyReading, RouteNote, RouteNotes, SlotHeartbeat
 from proto.generate import (
     PROTOCOL_VERSION,
     Cancel,
@@ -90,6 +90,8 @@ __all__ = [
     "ModelCosts",
     "ProtoDecodeError",
     "RequestTokens",
+    "RouteNote",
+    "RouteNotes",
     "SlotHeartbeat",
     "SqlQuery",
     "SqlReply",

@@ -88,3 +88,30 @@ class EnergyReading(Message, frozen=True):
     # older readers; a reader takes the µJ delta when both readings of an interval carry energy_uj.
     energy_uj: int | None = None
     max_range_uj: int | None = None
+
+
+class RouteNote(Message, frozen=True):
+    """One route a gateway made, for its replicas (docs/routing.md §6). ``kind`` "routed": a request went to
+    ``member_id`` at ``routed_s`` (the replicas book it until the member's heartbeat can hold it, and count its
+    queued prefill until "prefill_done"); "first_byte":
+    it streamed its first byte there, so the member holds ``prefix`` (each depth's digest, depth and characters,
+    as ``services.gateway.affinity.PrefixKey``) and the session ``session_key`` (X-Session-Id only) is there."""
+
+    kind: Literal["routed", "first_byte", "prefill_done"]
+    member_id: str
+    routed_s: float
+    prefix: list[tuple[str, int, int]] = []
+    session_key: str | None = None
+    # "routed": the prompt characters it queues for prefill there (less the cached prefix expected); "prefill_done"
+    # (first byte, or the attempt ended): the same figure taken off again
+    pending_chars: int = 0
+
+
+class RouteNotes(Message, frozen=True):
+    """gateway → gateways on ``llm.v1.route.<gateway_id>``: the routes it made since its previous message."""
+
+    gateway_id: str
+    session_id: str
+    seq: int
+    ts_s: float
+    notes: list[RouteNote] = []

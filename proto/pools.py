@@ -133,6 +133,9 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # soft fairness cap (0 = off): a member past this share of the pool's routes today gets no new conversation
     max_pool_share: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     aliases: tuple[NonEmptyStr, ...] = ()
+    # energy tie-break (0 = off; docs/routing.md §3): among members within this cost of the cheapest, the one with
+    # the lowest measured J/output-token
+    energy_margin: Fraction = 0.0
 
 
 class Prices(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -523,6 +526,8 @@ def to_dict(config: GatewayFileConfig) -> dict[str, Any]:
                        "overflow_threshold": p.overflow_threshold, "sticky_bias": p.sticky_bias,
                        "capacity_bias": p.capacity_bias, "max_pool_share": p.max_pool_share,
                        "aliases": list(p.aliases)}
+        if p.energy_margin:
+            pools[name]["energy_margin"] = p.energy_margin
     return {
         "model_pools": pools,
         "electricity_rate_usd_per_kwh": config.electricity_rate_usd_per_kwh,

@@ -23,6 +23,7 @@ ACCOUNTING_KEY_ENERGY = f"{PREFIX}.accounting.key_energy"  # KeyEnergyQuery -> K
 ACCOUNTING_COSTS = f"{PREFIX}.accounting.costs"
 AUTH_CHECK = f"{PREFIX}.auth.check"  # request/reply to the gateways, JSON: AuthCheck -> AuthReply
 QUOTA_ALL = f"{PREFIX}.quota.*"  # each gateway's LimitCounters (services/gateway/limits.py), see quota()
+ROUTE_ALL = f"{PREFIX}.route.*"  # each gateway's RouteNotes (services/gateway/route_sharing.py), see route()
 CONFIG_CHANGED = f"{PREFIX}.config.changed"  # JSON ConfigChanged: a gateway saved the pools file; replicas reload it
 GATEWAY_METRICS_ALL = f"{PREFIX}.gwmetrics.*"  # request/reply among one gateway's workers, see gateway_metrics()
 
@@ -75,3 +76,8 @@ def gateway_metrics(group: str) -> str:
     """Request/reply among the worker processes of one ``llmgw gateway --workers N``: an empty request;
     each worker answers with its own /metrics text (services/gateway/worker_metrics.py)."""
     return f"{PREFIX}.gwmetrics.{group}"
+
+
+def route(gateway_id: str) -> str:
+    """RouteNotes."""
+    return f"{PREFIX}.route.{gateway_id}"

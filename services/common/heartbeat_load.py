@@ -34,12 +34,14 @@ NINFER_PRESSURE_WEIGHT = 0.10
 KV_HIGH_WATER = 0.9
 
 
-# Kinds whose ``kv_evictions_total`` counts KV taken from live work (the native fork's
-# ``health.sessions_evicted``: a session's cache dropped to make room), which is pressure. Our engine's counts
-# LRU evictions of *unused* cached prefix blocks, which a full prefix cache does on every new prefill: that says
-# nothing about load (issue #29: counted, a member turned "busy" and lost its affinity credit whenever an
-# eviction fell in the last heartbeat interval, 18 % of observations at 0.25 s heartbeats).
-EVICTIONS_ARE_PRESSURE = frozenset({"native"})
+# Kinds whose ``kv_evictions_total`` counts KV taken from live work (the NInfer fork, kind "ninfer":
+# ``health.sessions_evicted``, a session's cache dropped to make room), which is pressure. Our engine (kind
+# "native", services/engine/serve/worker.py: the block pool's ``num_evictions``) counts LRU evictions of *unused*
+# cached prefix blocks, which a full prefix cache does on every new prefill: that says nothing about load (issue
+# #29: counted, a member turned "busy" and lost its affinity credit whenever an eviction fell in the last
+# heartbeat interval, 18 % of observations at 0.25 s heartbeats). The set first named "native" (the kinds the
+# wrong way round), so our own engine's evictions still counted; bench/routing_sim.py now reports as "native".
+EVICTIONS_ARE_PRESSURE = frozenset({"ninfer"})
 
 
 def _counter_rose(kind: str, hb: SlotHeartbeat, previous: SlotHeartbeat | None) -> bool:

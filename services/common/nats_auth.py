@@ -11,9 +11,9 @@ The subjects are the real ones of :mod:`proto.subjects` and of the services that
 ========== ============================================== ===================================================
 role       publishes                                      subscribes
 ========== ============================================== ===================================================
-gateway    gen/cancel/embed to engines, usage, quota,    heartbeats, auth.check, config, quota,
-           config, accounting requests, the identity      the identity bucket
-           bucket
+gateway    gen/cancel/embed to engines, usage, quota,    heartbeats, energy, auth.check, config,
+           config, route notes, accounting requests,      quota, route notes, the identity bucket
+           the identity bucket
 engine     its own heartbeat, energy and workers-bucket   its own request, cancel and embed
            key, its streamed answers (inboxes)            subjects (``llmgw up``: one engine by id)
 telemetry  heartbeats and energy for the members it        config changes
@@ -99,12 +99,13 @@ def engine_permissions(worker_id: str | None) -> dict[str, Any]:
 PERMISSIONS: dict[str, dict[str, Any]] = {
     "gateway": {
         "publish": {"allow": [f"{_P}.gen.*", f"{_P}.cancel.*", f"{_P}.embed.*", subjects.USAGE_SUBJECTS,
-                              subjects.QUOTA_ALL, subjects.GATEWAY_METRICS_ALL,
+                              subjects.QUOTA_ALL, subjects.GATEWAY_METRICS_ALL, subjects.ROUTE_ALL,
                               subjects.CONFIG_CHANGED, f"{_P}.accounting.>", f"$KV.{subjects.KV_IDENTITY}.>",
                               "$JS.ACK.>", "$JS.FC.>", *_COMMON_PUB],
                     "deny": _deny(_STREAM_UPDATE)},
         "subscribe": {"allow": [subjects.HEARTBEAT_ALL, subjects.AUTH_CHECK, subjects.CONFIG_CHANGED,
-                                subjects.QUOTA_ALL, subjects.GATEWAY_METRICS_ALL, f"$KV.{subjects.KV_IDENTITY}.>",
+                                subjects.QUOTA_ALL, subjects.GATEWAY_METRICS_ALL, subjects.ROUTE_ALL,
+                                subjects.ENERGY_SUBJECTS, f"$KV.{subjects.KV_IDENTITY}.>",
                                 _WORKERS_KV, *_COMMON_SUB]},
     },
     "engine": engine_permissions(None),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from proto import ProtoDecodeError, SlotHeartbeat, decode, subjects
+from proto import EnergySample, ProtoDecodeError, SlotHeartbeat, decode, subjects
 from services.gateway.breaker import BASE_COOLDOWN_S, Breaker, FailureKind
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ HISTORY_POINTS = 60
 CPT_MIN_TOKENS = 32  # prompts at least this long teach the gateway a member's characters per token
 CPT_ALPHA = 0.1  # the weight of each new prompt in the running average
 CPT_BOUNDS = (1.0, 12.0)  # clamp: a garbled count cannot make a cache look empty or infinite
+SERVICE_ALPHA = 0.05  # mean_service_s: the weight of each finished request (about the last 20)
+ENERGY_ALPHA = 0.2  # joules_per_output_token: the weight of each energy interval
 
 
 @dataclass
@@ -41,6 +43,15 @@ class MemberRecord:
     load_history: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=HISTORY_POINTS))
     # prompt characters per token, measured from the member's own answers (an average over recent prompts)
     chars_per_token: float | None = None
+    # when each of our requests since the newest heartbeat's moment was routed (for members that do not count
+    # our requests per gateway: fleet.unseen); trimmed at every heartbeat
+    route_times: collections.deque[float] = field(default_factory=collections.deque)
+    # when each route another gateway replica announced to this member was made (RouteNote, kind "routed"): its
+    # heartbeat cannot hold those either; trimmed at every heartbeat like route_times
+    peer_route_times: collections.deque[float] = field(default_factory=collections.deque)
+    mean_service_s: float | None = None  # routed -> finished, an average over recent requests
+    joules_per_output_token: float | None = None  # from the member's EnergySamples (note_energy)
+    energy_mark: tuple[str, float, dict[str, int]] | None = None  # last sample: (session, ts, device -> mJ)
 
 
 @dataclass
@@ -68,6 +79,12 @@ class Fleet:
             rec.breaker.reset()
         rec.heartbeat = hb
         rec.received_s = now_s
+        # what the heartbeat describes: the moment it was taken (its ts), or when it came if its clock runs ahead
+        taken_s = min(hb.ts_s, now_s)
+        while rec.route_times and rec.route_times[0] <= taken_s:
+            rec.route_times.popleft()
+        while rec.peer_route_times and rec.peer_route_times[0] <= taken_s:
+            rec.peer_route_times.popleft()
         return True
 
     def record(self, member_id: str) -> MemberRecord:
@@ -91,15 +108,48 @@ class Fleet:
             return None
         return hb.admitted_by_gateway.get(self.gateway_id, 0)
 
-    def book(self, member_id: str) -> None:
+    def unseen(self, member_id: str) -> int | None:
+        """For a member whose heartbeat does not count our requests (``admitted`` None): how many of ours were
+        routed after the moment its newest heartbeat describes (its running/waiting cannot hold them yet);
+        None for one that counts them (book by ``admitted``) or has no heartbeat (every open request counts)."""
+        rec = self.record(member_id)
+        if rec.heartbeat is None or self.admitted(member_id) is not None:
+            return None
+        return len(rec.route_times)
+
+    def note_peer_route(self, member_id: str, routed_s: float) -> None:
+        """Another gateway replica routed a request to the member at ``routed_s`` (its RouteNote)."""
+        times = self.record(member_id).peer_route_times
+        if times and routed_s < times[-1]:  # notes from several peers interleave: keep the deque ordered
+            times.append(routed_s)
+            ordered = sorted(times)
+            times.clear()
+            times.extend(ordered)
+        else:
+            times.append(routed_s)
+
+    def peer_unseen(self, member_id: str) -> int:
+        """Requests other replicas routed to the member after the moment its newest heartbeat describes."""
+        rec = self.record(member_id)
+        if rec.heartbeat is None:
+            return 0
+        taken_s = min(rec.heartbeat.ts_s, rec.received_s or rec.heartbeat.ts_s)
+        return sum(1 for t in rec.peer_route_times if t > taken_s)
+
+    def book(self, member_id: str, now_s: float | None = None) -> None:
+        """A request goes to the member at ``now_s`` (wall clock, as heartbeats' ``ts_s``; None: untimed)."""
         rec = self.record(member_id)
         rec.routed_total += 1
         rec.in_flight += 1
+        if now_s is not None:
+            rec.route_times.append(now_s)
 
     def unbook(self, member_id: str) -> None:
         """The member refused before admitting (429, connect error): it will never count this one."""
         rec = self.record(member_id)
         rec.routed_total = max(0, rec.routed_total - 1)
+        if rec.route_times:
+            rec.route_times.pop()
 
     def note_prompt(self, member_id: str, prompt_chars: int, prompt_tokens: int | None) -> None:
         """The member counted ``prompt_tokens`` for a prompt of ``prompt_chars`` characters (as the gateway
@@ -116,10 +166,32 @@ class Fleet:
         rec = self.record(member_id)
         rec.pending_prefill_chars = max(0, rec.pending_prefill_chars + chars)
 
-    def release(self, member_id: str) -> None:
+    def release(self, member_id: str, service_s: float | None = None) -> None:
+        """One of our requests on the member is over; ``service_s``: how long it held the member (an answer
+        that finished; None for one cut short or refused), averaged into ``mean_service_s``."""
         rec = self.record(member_id)
         if rec.in_flight > 0:
             rec.in_flight -= 1
+        if service_s is not None and service_s >= 0:
+            rec.mean_service_s = service_s if rec.mean_service_s is None else (
+                (1 - SERVICE_ALPHA) * rec.mean_service_s + SERVICE_ALPHA * service_s)
+
+    def note_energy(self, sample: EnergySample) -> None:
+        """The member's energy sample (``llm.v1.energy.<worker_id>``): the joules its devices used since its
+        previous sample over the output tokens it produced in between, averaged into
+        ``joules_per_output_token``. Intervals without tokens (idle) or with a device unreadable, reset
+        (counter down) or restarted (another session) teach nothing, as accounting leaves them out of J/token."""
+        rec = self.record(sample.worker_id)
+        counters = {r.device_id: r.energy_mj for r in sample.readings if r.energy_mj is not None}
+        mark, rec.energy_mark = rec.energy_mark, (sample.session_id, sample.ts_s, counters)
+        tokens = sum(t.output_tokens for t in sample.request_tokens)
+        if mark is None or mark[0] != sample.session_id or sample.ts_s <= mark[1] or tokens <= 0 or not counters:
+            return
+        if set(counters) != set(mark[2]) or any(counters[d] < mark[2][d] for d in counters):
+            return
+        jpt = sum(counters[d] - mark[2][d] for d in counters) / 1000.0 / tokens
+        rec.joules_per_output_token = jpt if rec.joules_per_output_token is None else (
+            (1 - ENERGY_ALPHA) * rec.joules_per_output_token + ENERGY_ALPHA * jpt)
 
     def attempt(self, member_id: str, now_s: float) -> None:
         """A request goes to the member (a half-open breaker's probe)."""
@@ -170,6 +242,15 @@ class HeartbeatIntake:
                 if entry.value:
                     hb = decode(entry.value, SlotHeartbeat)
                     self.fleet.observe(hb, min(now, hb.ts_s))  # as old as the engine says it is
+
+    async def on_energy(self, msg: Msg) -> None:
+        """Energy samples (core subscription on the ENERGY stream's subjects): each member's J/output-token."""
+        try:
+            sample = decode(msg.data, EnergySample)
+        except ProtoDecodeError as exc:
+            log.debug("dropped energy sample on %s: %s", msg.subject, exc.reason)
+            return
+        self.fleet.note_energy(sample)
 
     async def on_heartbeat(self, msg: Msg) -> None:
         try:

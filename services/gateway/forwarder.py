@@ -20,7 +20,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 from aiohttp import web
@@ -38,6 +38,9 @@ from services.gateway.fleet import Fleet
 from services.gateway.http_backend import HttpBackend
 from services.gateway.pools_file import PoolsFile
 from services.gateway.usage_meter import UsageMeter
+
+if TYPE_CHECKING:
+    from services.gateway.route_sharing import RouteSharing
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +184,7 @@ class Forwarder:
         self.metrics = metrics
         self.rng = rng
         self._quiet_log = quiet_log
+        self.sharing: RouteSharing | None = None  # set by the service: routes announced to the other replicas
 
     async def forward(self, request: web.Request, body: dict[str, Any], parsed: openai_api.ParsedRequest,
                       resolved: pools.ResolvedPool, request_id: str, api_key_id: str | None,
@@ -223,10 +227,13 @@ class Forwarder:
             outcome.member_id = member_id
             outcome.routing_reason = decision.reason if attempt == 0 else f"failover:{decision.reason}"
             pending = max(0, prompt_chars - decision.affinity_chars(member_id))
-            self.fleet.book(member_id)
-            self.fleet.attempt(member_id, time.time())
+            routed_s = time.time()
+            self.fleet.book(member_id, routed_s)
+            if self.sharing is not None:
+                self.sharing.routed(member_id, routed_s, pending)
+            self.fleet.attempt(member_id, routed_s)
             self.fleet.add_pending_prefill(member_id, pending)
-            prefill_done = _Once(functools.partial(self.fleet.add_pending_prefill, member_id, -pending))
+            prefill_done = _Once(functools.partial(self._prefill_done, member_id, pending))
             # Affinity and pins are recorded at the first byte (docs/routing.md §4; issue #29: recorded after the
             # whole answer, a tenant's next requests did not know for seconds where its prefix was)
             recorded = _Once(functools.partial(self._record_route, decision, member_id))
@@ -270,7 +277,8 @@ class Forwarder:
                 continue
             finally:
                 prefill_done()
-                self.fleet.release(member_id)
+                finished = outcome.status == "ok" and outcome.meter.is_final
+                self.fleet.release(member_id, time.time() - routed_s if finished else None)
             if outcome.meter.admitted:  # the member's own count teaches its characters per token
                 self.fleet.note_prompt(member_id, prompt_chars, outcome.meter.prompt_tokens)
             if outcome.status == "ok":
@@ -297,8 +305,16 @@ class Forwarder:
         raise HTTPError(503, f"no engine of '{parsed.model}' can take the request right now; retry shortly",
                         code="no_backend_available", retry_after_s=5)
 
+    def _prefill_done(self, member_id: str, pending: int) -> None:
+        self.fleet.add_pending_prefill(member_id, -pending)
+        if self.sharing is not None:
+            self.sharing.prefill_done(member_id, pending, time.time())
+
     def _record_route(self, decision: routing_adapter.Decision, member_id: str) -> None:
-        self.router.record_success(decision, member_id, self.fleet, time.time())
+        now_s = time.time()
+        self.router.record_success(decision, member_id, self.fleet, now_s)
+        if self.sharing is not None:
+            self.sharing.first_byte(decision, member_id, now_s)
 
     def _on_final(self, outcome: Outcome) -> Callable[[TokenChunk, float | None], None]:
         def on_final(chunk: TokenChunk, ttft_ms: float | None) -> None:

@@ -27,8 +27,23 @@ from services.gateway.affinity import AffinityHit, AffinityTable, PinTable, Pref
 from services.gateway.load_score import RoutingWeights, load_score, stale_limit_s
 
 __all__ = [
-    "AffinityHit", "AffinityTable", "Candidate", "MemberState", "Pick", "PinTable", "PoolPolicy", "PrefixKey",
-    "RouteRequest", "RoutingWeights", "cache_capacity_chars", "load_score", "pick", "prefix_hashes", "record_route",
+    "AffinityHit",
+    "AffinityTable",
+    "Candidate",
+    "MemberState",
+    "Pick",
+    "PinTable",
+    "PoolPolicy",
+    "PrefixKey",
+    "RouteRequest",
+    "RoutingWeights",
+    "affinity_saving",
+    "cache_capacity_chars",
+    "load_score",
+    "pick",
+    "prefix_hashes",
+    "record_peer_route",
+    "record_route",
     "unseen_bookings",
 ]
 
@@ -40,6 +55,11 @@ CHARS_PER_TOKEN = 4
 
 # capacity_bias 0.1 (the default) credits a member one open request's cost per route it is behind its weight
 CAPACITY_BIAS_SCALE = 10.0
+
+# The energy tie-break switches only for a member at least this much more efficient: equal hardware measures
+# J/output-token a few per cent apart by batch size alone, and chasing that concentrates load (bench/routing_sim.py
+# with equal watts: shared@0.95 p90 3.9 -> 4.3 s without the floor, a --quick run)
+ENERGY_MIN_GAIN = 0.10
 
 _NOT_ROUTABLE = frozenset({"down", "stopped", "draining"})
 
@@ -64,6 +84,8 @@ class PoolPolicy:
     shorter ones); affinity counts only while the member's load is below ``affinity_busy_guard``. ``backlog_weight``:
     cost per waiting request beyond lanes/2, per lane (the queue the load score no longer sees).
     ``prefill_weight``: cost of prefill already queued by this gateway, at the affinity exchange rate.
+    ``energy_margin`` (0 = off): among non-busy members whose cost is within this of the cheapest, the one with
+    the lowest measured joules per output token wins (§3, "Energy tie-break").
     Defaults: docs/routing.md §3 (tuned with bench/routing_sim.py, §7).
     """
 
@@ -78,10 +100,14 @@ class PoolPolicy:
     prefill_weight: float = 0.5
     api_key_sticky: float = 0.0
     max_pool_share: float = 0.0
+    # off by default: bench/routing_sim.py's heterogeneous pool (300/300/200/200 W) measured no energy gain from it
+    # (J/output-token within ±1.1 %) and p90 -18 to +9 % by cell (shared@0.8 414 -> 452 ms): a member's measured
+    # J/output-token follows its batch size far more than its hardware (docs/routing.md §3, "Energy tie-break")
+    energy_margin: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("overflow_threshold", "sticky_bias", "capacity_bias", "affinity_busy_guard", "affinity_weight",
-                     "backlog_weight", "prefill_weight", "api_key_sticky", "max_pool_share"):
+                     "backlog_weight", "prefill_weight", "api_key_sticky", "max_pool_share", "energy_margin"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"PoolPolicy.{name} must lie in [0, 1], got {value!r}")
@@ -111,6 +137,15 @@ class MemberState:
     recent_routes: float = 0.0
     routes_today: int = 0
     chars_per_token: float | None = None  # measured from this member's answers; None: CHARS_PER_TOKEN
+    # members whose heartbeat does not count our requests (``admitted`` None: vLLM, llama.cpp, NInfer): our
+    # requests routed after the moment its newest heartbeat describes; None: not tracked (all in-flight booked)
+    routed_since_heartbeat: int | None = None
+    # requests other gateway replicas announced routing to the member since its newest heartbeat (RouteNotes)
+    peer_unseen: int = 0
+    # mean seconds one of our requests holds the member (routed -> finished), measured; None: not yet known
+    mean_service_s: float | None = None
+    # measured energy per output token on this member (its EnergySamples, fleet.py ``note_energy``)
+    joules_per_output_token: float | None = None
 
     def tokens(self, chars: int) -> float:
         """Prompt characters as this member's tokens."""
@@ -154,6 +189,9 @@ class Candidate:
     over_pool_share: bool = False  # past max_pool_share of today's routes: ranks after the others for new talks
     backlog: float = 0.0
     pending_prefill: float = 0.0
+    wait_s: float | None = None  # expected wait for a lane at a prefix holder (§3, "Bounded wait")
+    saved_s: float | None = None  # the prefill its cached prefix saves
+    joules_per_output_token: float | None = None
     age_s: float | None = None
     is_stale: bool = False
     is_busy: bool = False
@@ -168,13 +206,17 @@ class Pick:
     candidates: tuple[Candidate, ...]  # every member, in input order
     pinned_member: str | None = None  # the session's live pin when the request came in
     pin_broken: Literal["busy", "down"] | None = None
+    energy_over: str | None = None  # the cheapest member, when the energy tie-break chose another
 
 
 def unseen_bookings(m: MemberState) -> int:
-    """Requests routed to the member that its last heartbeat cannot reflect yet (docs/routing.md §2)."""
+    """Requests routed to the member that its last heartbeat cannot reflect yet (docs/routing.md §2): ours,
+    by its admitted count or by what was routed since its heartbeat, plus other replicas' (``peer_unseen``)."""
     if m.admitted is None:
-        return m.in_flight
-    return max(0, min(m.in_flight, m.routed_total - m.admitted))
+        if m.routed_since_heartbeat is not None:  # no per-gateway count: what was routed after it was taken
+            return max(0, min(m.in_flight, m.routed_since_heartbeat)) + m.peer_unseen
+        return m.in_flight + m.peer_unseen
+    return max(0, min(m.in_flight, m.routed_total - m.admitted)) + m.peer_unseen
 
 
 def _backlog(m: MemberState, booked: int) -> float:
@@ -241,6 +283,15 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
     # the full affinity credit is earned by affinity_full_chars at CHARS_PER_TOKEN, i.e. in tokens: a prefix is
     # weighed by the prefill it saves on the member that holds it, at that member's characters per token
     full_tokens = policy.affinity_full_chars / CHARS_PER_TOKEN
+    prompt_chars = request.prefix_keys[-1].prefix_chars if request.prefix_keys else 0
+    waits: dict[str, float] = {}
+    min_wait_s = None
+    if hits:  # the wait for a lane each member would impose; the least of them is paid wherever the request goes
+        for m in eligible:
+            w = _lane_wait_s(m, now_s, weights)
+            if w is not None:
+                waits[m.member_id] = w
+        min_wait_s = min(waits.values(), default=None)
     for m in members:
         mid = m.member_id
         age_s = now_s - m.received_s if m.heartbeat is not None and m.received_s is not None else None
@@ -263,9 +314,16 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
                 basis, load = "heartbeat", score
         hit = hits.get(mid)
         saving, guarded = 0.0, False
+        wait_s = saved_s = None
         if hit is not None:
             if load < policy.affinity_busy_guard:
-                saving = policy.affinity_weight * min(m.tokens(hit.prefix_chars) / full_tokens, 1.0)
+                saving = affinity_saving(policy, m, hit.prefix_chars, prompt_chars)
+                wait_s = waits.get(mid) if basis == "heartbeat" else None
+                saved_s = _prefill_saved_s(m, hit.prefix_chars)
+                if wait_s is not None and min_wait_s == 0.0 and saved_s is not None and wait_s > saved_s:
+                    # a lane is free elsewhere: a hit is worth waiting for only as long as the prefill it saves
+                    # (§3, "Bounded wait"; with every member queued a miss lengthens everyone's wait, no bound)
+                    saving *= saved_s / wait_s
             else:
                 guarded = True
         is_busy = load >= policy.overflow_threshold
@@ -282,7 +340,8 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
             mid, basis, load, cost, booked=booked, in_flight=m.in_flight, in_flight_term=in_flight_term,
             affinity_depth=hit.depth if hit else 0, affinity_chars=hit.prefix_chars if hit else 0,
             affinity_saving=saving, affinity_guarded=guarded, pin=pin,
-            backlog=backlog, pending_prefill=prefill, age_s=age_s, is_stale=stale[mid], is_busy=is_busy,
+            backlog=backlog, pending_prefill=prefill, wait_s=wait_s, saved_s=saved_s,
+            joules_per_output_token=m.joules_per_output_token, age_s=age_s, is_stale=stale[mid], is_busy=is_busy,
         )
     _weighted_split(policy, [m for m in eligible if m.member_id in lanes_of], lanes_of, sheets)
     if policy.max_pool_share > 0 and pinned is None and not hits:
@@ -311,6 +370,11 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
         return (c.is_busy, c.over_pool_share, c.cost, c.in_flight / weight, -capacity[c.member_id], c.member_id)
 
     ranked = tuple(sorted((sheets[m.member_id] for m in eligible), key=order))
+    energy_over = None
+    greener = _energy_tiebreak(policy.energy_margin, ranked)
+    if greener is not None:
+        energy_over = ranked[0].member_id
+        ranked = (greener, *(c for c in ranked if c is not greener))
     winner = ranked[0]
     if pin_broken is not None:
         reason = "pin_broken_busy" if pin_broken == "busy" else "pin_broken_down"
@@ -326,7 +390,58 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
         reason = "affinity"
     else:
         reason = "least_loaded"
-    return Pick(winner.member_id, reason, tuple(c.member_id for c in ranked), candidates, pinned, pin_broken)
+    return Pick(winner.member_id, reason, tuple(c.member_id for c in ranked), candidates, pinned, pin_broken,
+                energy_over)
+
+
+def affinity_saving(policy: PoolPolicy, m: MemberState, matched_chars: int, prompt_chars: int) -> float:
+    """The affinity credit of a member holding ``matched_chars`` of a ``prompt_chars`` prompt (§3)::
+
+        saving = affinity_weight * matched_tokens / max(full_tokens, prompt_tokens)
+
+    in the member's tokens (``full_tokens = affinity_full_chars / CHARS_PER_TOKEN``, 2,000). Up to full_tokens
+    that is the old ``min(matched / full, 1)``; past it the credit is the share of the prompt the member holds,
+    so a long conversation's own engine (all but the last turn) stays clearly cheaper than one holding only its
+    system prompt (issue #29: with the cap, both earned the full credit once the system prompt was ~8,000
+    characters, and chat without X-Session-Id lost to the Go gateway's content affinity)."""
+    full_tokens = policy.affinity_full_chars / CHARS_PER_TOKEN
+    scale = max(full_tokens, m.tokens(prompt_chars))
+    return policy.affinity_weight * min(m.tokens(matched_chars) / scale, 1.0)
+
+
+def _lane_wait_s(m: MemberState, now_s: float, weights: RoutingWeights) -> float | None:
+    """The expected wait for a lane on a member with a fresh lane-counting heartbeat, in seconds; None where
+    not known: the requests that must finish before a new one gets a lane (running + booked + waiting - lanes
+    + 1), one lane freeing every ``mean_service_s / lanes`` (the fleet's measured mean time per request)."""
+    hb = m.heartbeat
+    if hb is None or not hb.lanes or hb.running is None or m.mean_service_s is None or _is_stale(m, now_s, weights):
+        return None
+    ahead = hb.running + unseen_bookings(m) + (hb.waiting or 0) - hb.lanes + 1
+    return max(0, ahead) * m.mean_service_s / hb.lanes
+
+
+def _prefill_saved_s(m: MemberState, matched_chars: int) -> float | None:
+    """The prefill a cached prefix saves, in seconds: its tokens at the member's reported prefill rate."""
+    rate = m.heartbeat.prefill_tok_per_s if m.heartbeat is not None else None
+    return m.tokens(matched_chars) / rate if rate else None
+
+
+def _energy_tiebreak(margin: float, ranked: Sequence[Candidate]) -> Candidate | None:
+    """§3 "Energy tie-break": the non-busy member, within ``margin`` of the cheapest's cost, with the lowest
+    measured J/output-token, when that is :data:`ENERGY_MIN_GAIN` lower than the cheapest's own; None: the
+    cheapest stays. Only members
+    with a measured figure compete (an unmeasured one is never assumed efficient)."""
+    if margin <= 0 or len(ranked) < 2 or ranked[0].is_busy or ranked[0].joules_per_output_token is None:
+        return None
+    best = ranked[0]
+    assert best.cost is not None
+    greener = min((c for c in ranked[1:] if not c.is_busy and c.cost is not None and c.cost <= best.cost + margin
+                   and not c.over_pool_share and c.joules_per_output_token is not None),
+                  key=lambda c: c.joules_per_output_token or 0.0, default=None)
+    if greener is None or greener.joules_per_output_token is None:
+        return None
+    assert best.joules_per_output_token is not None
+    return greener if greener.joules_per_output_token < (1 - ENERGY_MIN_GAIN) * best.joules_per_output_token else None
 
 
 def _free_lanes(m: MemberState, basis: Basis, booked: int, weights: RoutingWeights
@@ -399,6 +514,18 @@ def cache_capacity_chars(hb: SlotHeartbeat | None, chars_per_token: float | None
     if hb is None or not hb.kv_capacity_tokens:
         return None
     return int(hb.kv_capacity_tokens * (chars_per_token or CHARS_PER_TOKEN))
+
+
+def record_peer_route(policy: PoolPolicy, prefix_keys: Sequence[PrefixKey], session_key: str | None,
+                      served_by: str, affinity: AffinityTable | None, pins: PinTable | None, now_s: float,
+                      capacity_chars: int | None = None) -> None:
+    """Another gateway replica's request reached its first byte on ``served_by`` (its RouteNote): the member now
+    holds these prefixes, and the session (if the note names one) is there, as if this gateway had routed it
+    (docs/routing.md §6: replicas that learnt only their own routes split each tenant's prefix over the pool)."""
+    if policy.cache_affinity and affinity is not None and prefix_keys:
+        affinity.record(prefix_keys, served_by, now_s, capacity_chars)
+    if pins is not None and session_key:
+        pins.pin(session_key, served_by, now_s)
 
 
 def record_route(policy: PoolPolicy, request: RouteRequest, pick_: Pick, served_by: str,

@@ -56,22 +56,24 @@ class Decision:
         return {
             "member": self.pick.member_id, "reason": self.pick.reason, "ranked": list(self.pick.ranked),
             "pinned_member": self.pick.pinned_member, "pin_broken": self.pick.pin_broken,
+            "energy_over": self.pick.energy_over,
             "candidates": [asdict(c) for c in self.pick.candidates],
         }
 
 
 def policy_for(pool: PoolConfig) -> routing.PoolPolicy:
     return _policy(pool.overflow_threshold, pool.cache_affinity, pool.sticky_bias, pool.capacity_bias,
-                   pool.max_pool_share)
+                   pool.max_pool_share, pool.energy_margin)
 
 
 # Asked for on every request: built once per distinct setting (the policy and weights are frozen, so one object
 # serves every request and every pool with those values, discovered pools included).
 @lru_cache(maxsize=256)
 def _policy(overflow_threshold: float, cache_affinity: bool, sticky_bias: float, capacity_bias: float,
-            max_pool_share: float) -> routing.PoolPolicy:
+            max_pool_share: float, energy_margin: float = 0.0) -> routing.PoolPolicy:
     return routing.PoolPolicy(overflow_threshold=overflow_threshold, cache_affinity=cache_affinity,
-                              sticky_bias=sticky_bias, capacity_bias=capacity_bias, max_pool_share=max_pool_share)
+                              sticky_bias=sticky_bias, capacity_bias=capacity_bias, max_pool_share=max_pool_share,
+                              energy_margin=energy_margin)
 
 
 # Each route multiplies a pool's recent-route counts by this (then adds 1 to the member's): they weigh about the
@@ -205,7 +207,9 @@ class Router:
                 admitted=fleet.admitted(ref.member_id), in_flight=rec.in_flight,
                 is_down=fleet.is_down(ref.member_id, now_s), pending_prefill_chars=rec.pending_prefill_chars,
                 recent_routes=routes.recent.get(ref.member_id, 0.0), routes_today=today[ref.member_id],
-                chars_per_token=rec.chars_per_token,
+                chars_per_token=rec.chars_per_token, routed_since_heartbeat=fleet.unseen(ref.member_id),
+                mean_service_s=rec.mean_service_s, joules_per_output_token=rec.joules_per_output_token,
+                peer_unseen=fleet.peer_unseen(ref.member_id),
             ))
         return out
 
@@ -250,6 +254,8 @@ class Router:
             "cache_hit_pct": (100.0 * (hb.prompt_tokens_hit_total or 0) / queried) if hb and queried else None,
             "capacity_weight": effective_weight(ref, hb), "down": fleet.is_down(ref.member_id, now_s),
             "chars_per_token": round(rec.chars_per_token, 3) if rec.chars_per_token else None,
+            "mean_service_s": round(rec.mean_service_s, 3) if rec.mean_service_s is not None else None,
+            "joules_per_output_token": rec.joules_per_output_token,
             "breaker": rec.breaker.describe(now_s),
             "breaker_state": STATE_CODE[rec.breaker.state(now_s)],
         }

@@ -51,6 +51,7 @@ from services.gateway.openapi import document as openapi_document
 from services.gateway.pages import Pages
 from services.gateway.peers import Peers, bootstrap_admin
 from services.gateway.pools_file import LAST_GOOD_NAME, PoolsFile, first_byte_timeout_s, initial_file_config
+from services.gateway.route_sharing import RouteSharing
 from services.gateway.shedding import LoadShedder
 from services.gateway.usage_publisher import UsagePublisher
 from services.gateway.usage_spool import UsageSpool
@@ -127,6 +128,8 @@ class GatewayService:
         self.usage = UsagePublisher(nc, config.gateway_id, self.spool, config.usage_buffer, self._quiet_log)
         self.forwarder = Forwarder(nc, config.gateway_id, config.chunk_timeout_s, self.fleet, self.router, self.http,
                                    self.pools_file, self.metrics, rng or random.Random(), self._quiet_log)
+        self.route_sharing = RouteSharing(nc, config.gateway_id, self.session_id, self.fleet, self.router)
+        self.forwarder.sharing = self.route_sharing
         self.peers = Peers(nc, self.identity, self.auth, config.gateway_id, self.session_id,
                            config.key_energy_poll_s, self._quiet_log)
         self._seq = 0
@@ -147,7 +150,9 @@ class GatewayService:
         subs = [await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.heartbeats.on_heartbeat),
                 await self.nc.subscribe(subjects.AUTH_CHECK, cb=self.peers._on_auth_check),
                 await self.nc.subscribe(subjects.CONFIG_CHANGED, cb=self.pools_file._on_config_changed),
-                await self.nc.subscribe(subjects.QUOTA_ALL, cb=self.peers._on_limit_counters_elsewhere)]
+                await self.nc.subscribe(subjects.QUOTA_ALL, cb=self.peers._on_limit_counters_elsewhere),
+                await self.nc.subscribe(subjects.ENERGY_SUBJECTS, cb=self.heartbeats.on_energy),
+                await self.nc.subscribe(subjects.ROUTE_ALL, cb=self.route_sharing.on_notes)]
         if self.config.worker_group is not None:
             subs.append(await self.nc.subscribe(subjects.gateway_metrics(self.config.worker_group),
                                                 cb=self._on_metrics_asked))
@@ -161,7 +166,8 @@ class GatewayService:
                           tasks.create_task(self.identity_sync.run(), name="identity-sync"),
                           tasks.create_task(self.peers._share_limit_counters(), name="limit-counters-share"),
                           tasks.create_task(self.peers._poll_key_energy(), name="key-energy"),
-                          tasks.create_task(self.shedder.probe(), name="loop-lag-probe")]
+                          tasks.create_task(self.shedder.probe(), name="loop-lag-probe"),
+                          tasks.create_task(self.route_sharing.run(), name="route-sharing")]
             self.pools_file.mark_seen()
             background.append(tasks.create_task(self.pools_file.watch_config(), name="config-watch"))
             try:

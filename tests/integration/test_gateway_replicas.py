@@ -135,3 +135,28 @@ async def test_a_bootstrap_claim_no_gateway_of_the_fleet_signed_does_not_keep_th
         assert b"gw1" in (entry.value or b"")  # the claim is now gw1's, signed
         async with gateway(nats_server.url, tmp_path / "gw2", "gw2") as gw2:
             assert gw2.bootstrap is None  # a signed claim is obeyed
+
+
+async def test_a_route_made_on_one_gateway_is_booked_and_remembered_on_another(  # type: ignore[no-untyped-def]
+        nats_server, tmp_path: Path) -> None:
+    # docs/routing.md §6: replicas share routes (RouteNotes on llm.v1.route.<gateway_id>), so a tenant's next
+    # request through another replica finds its prefix and its pin, and bursts across replicas are booked
+    from services.gateway import routing
+    from services.gateway.routing_adapter import Decision
+
+    keys = routing.prefix_hashes([{"role": "system", "content": "s" * 4000}, {"role": "user", "content": "hi"}])
+    request = routing.RouteRequest(session_key="sess-7", is_session_header=True, prefix_keys=keys)
+    decision = Decision(routing.Pick("w-b", "least_loaded", ("w-b",), ()), request, routing.PoolPolicy(), "p")
+    async with gateway(nats_server.url, tmp_path / "gw1", "gw1") as gw1, \
+            gateway(nats_server.url, tmp_path / "gw2", "gw2") as gw2:
+        sharing = gw1.forwarder.sharing
+        assert sharing is not None
+        routed_s = time.time()
+        sharing.routed("w-b", routed_s)  # what the forwarder does at book and at the first byte
+        sharing.first_byte(decision, "w-b", routed_s + 0.1)
+        await wait_for(lambda: gw2.router.affinity.lookup(keys, time.time()) is not None, timeout_s=120)
+        assert list(gw2.fleet.record("w-b").peer_route_times) == [routed_s]
+        assert gw2.router.affinity.lookup(keys, time.time()).member_id == "w-b"  # type: ignore[union-attr]
+        assert gw2.router.pins.get("sess-7", time.time()) == "w-b"
+        # its own notes come back on the bus too, and are ignored: gw1 books its own request once, itself
+        assert list(gw1.fleet.record("w-b").peer_route_times) == []

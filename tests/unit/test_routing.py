@@ -87,7 +87,7 @@ def test_the_ninfer_score_is_the_design_formula_parity_table(running, waiting, k
 
 @pytest.mark.parametrize(("kind", "counter"), [("ninfer", "spills"), ("ninfer", "preemptions"),
                                                ("native", "spills"), ("native", "preemptions"),
-                                               ("native", "evictions")])
+                                               ("ninfer", "evictions")])
 def test_kv_pressure_is_one_when_a_counter_rose_within_the_same_heartbeat_session(kind: str, counter: str) -> None:
     before = hb(**{counter: 3}, seq=1)
     after = hb(**{counter: 5}, seq=2, running=4)
@@ -98,9 +98,10 @@ def test_kv_pressure_is_one_when_a_counter_rose_within_the_same_heartbeat_sessio
 
 def test_our_engines_lru_evictions_of_cached_blocks_are_not_pressure() -> None:
     # issue #29: a full prefix cache evicts an unused block on every new prefill; that is not load
-    before = hb(evictions=100, seq=1)
-    after = hb(evictions=140, seq=2, running=4)
-    assert load_score("ninfer", after, before, 0, W) == pytest.approx(0.75 * 4 / 8)
+    # our engine heartbeats as kind "native" (services/engine/serve/worker.py)
+    before = hb(evictions=100, seq=1, kind="native")
+    after = hb(evictions=140, seq=2, running=4, kind="native")
+    assert load_score("native", after, before, 0, W) == pytest.approx(0.75 * 4 / 8)
 
 
 @pytest.mark.parametrize(("running", "waiting", "kv", "expected"), [
