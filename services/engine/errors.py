@@ -141,3 +141,12 @@ class DeadlineExceededError(EngineError):
         self.deadline_s = deadline_s
         self.now_s = now_s
         self.where = where
+
+
+class UnsupportedParameterError(EngineError):
+    """The request asks for something this engine or model cannot do (OpenAI code ``unsupported_parameter``):
+    ``field`` names the parameter, ``message`` says why (``suffix`` without fill-in-the-middle tokens, say)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
