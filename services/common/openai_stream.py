@@ -136,15 +136,23 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
         return openai_api.usage_body(Usage(prompt_tokens=prompt_tokens, completion_tokens=output_tokens,
                                            cached_tokens=cached_tokens,
                                            reasoning_tokens=sum(reasoning_tokens.values())))
+
     # The last events (the final chunk's text, finish, usage, [DONE]) go out in one write with the end of
     # the chunked body: one system call instead of four or five.
     tail: list[bytes] = []
-    if parsed.endpoint == "chat.completions":
-        for i in range(parsed.n):
-            await response.write(event(openai_api.stream_chunk(parsed, rid, created, role=True, text="", index=i)))
+    roles_sent = parsed.endpoint != "chat.completions"  # chat opens each choice with an assistant role delta
     try:
         async for chunk in chunks:
             i = chunk.choice
+            if not roles_sent:  # after the acceptance (chunk 0), whose prompt count a running usage states
+                roles_sent = True
+                if chunk.usage is not None and not chunk.is_final:
+                    prompt_tokens, cached_tokens = chunk.usage.prompt_tokens, chunk.usage.cached_tokens
+                for j in range(parsed.n):
+                    opening = openai_api.stream_chunk(parsed, rid, created, role=True, text="", index=j)
+                    if parsed.continuous_usage:
+                        opening["usage"] = running_usage()
+                    await response.write(event(opening))
             is_last = chunk.error is not None or (chunk.is_final and len(finals) + 1 >= parsed.n)
             pending: list[bytes] = []  # this chunk's events: they join the tail when it is the reply's last
 
@@ -204,6 +212,8 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
                     parsed, chunk, num_calls[i]), index=i)
                 if chunk.timings is not None:
                     final["timings"] = openai_api.timings_body(chunk.timings)
+                if parsed.continuous_usage:
+                    final["usage"] = running_usage()
                 pending.append(event(final))
                 if is_last:
                     combined = _combined_final(finals)
