@@ -72,7 +72,9 @@ class ChatTemplateError(EngineError, ValueError):
 #     ├── InvalidParameterError (ValueError)  a request field is out of range (``field``, ``value``)
 #     ├── ContextLengthExceededError          prompt + max_tokens exceeds the per-request context limit
 #     ├── QueueFullError                      the bounded pending queue is full; retry after ``retry_after_s``
-#     └── DuplicateRequestError               a request id is already waiting or running
+#     ├── DuplicateRequestError               a request id is already waiting or running
+#     └── UnsupportedParameterError           the model cannot do what a parameter asks (``field``): suffix
+#                                             without fill-in-the-middle tokens, echo with logprobs
 
 
 class InvalidParameterError(EngineError, ValueError):

@@ -94,6 +94,8 @@ async def test_n_choices_cross_the_bus_as_the_engines_own_http_face_answers_them
         # one prefill: choices 1..3 found choice 0's full prompt blocks in the bus engine's prefix cache
         assert after.num_prompt_tokens_hit - before.num_prompt_tokens_hit == 3 * shared
         assert after.num_prompt_tokens_queried - before.num_prompt_tokens_queried == 4 * prompt_tokens
+        print(f"\nFIGURES n-bus: prompt_tokens={prompt_tokens} prefix_hit_tokens="
+              f"{after.num_prompt_tokens_hit - before.num_prompt_tokens_hit} (3 x {shared})")
 
         # chat, streamed (a new prompt): four choices' deltas, each finished, the usage summed
         messages = [{"role": "user", "content": "2: " + PROMPT}]

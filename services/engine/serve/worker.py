@@ -4,9 +4,11 @@ Reply protocol on the request's inbox (all TokenChunks, ``index`` counting from 
 (empty) or a refusal (``error`` set: 400 bad request, 429 queue full with ``retry_after_s``, 504
 ``deadline_exceeded`` when ``deadline_s`` had passed); then one chunk per step with new text; the final chunk
 carries ``finish_reason``, ``usage`` and ``timings``. The acceptance carries ``usage`` with the prompt's token
-count; a cancelled request (``llm.v1.cancel.<worker_id>``) ends with a final ``abort`` chunk whose ``usage``
-is what the engine produced up to the cut, so the gateway bills the work done. A request whose ``deadline_s``
-passes while it still waits for its first token is aborted and ends with a final ``error`` chunk (504
+count and ``num_choices``: with n > 1 (serve/choices.py) every chunk names its ``choice`` and each choice ends
+with its own final chunk. A cancelled request (``llm.v1.cancel.<worker_id>``) ends with a final ``abort``
+chunk (one per unfinished choice) whose ``usage`` is what the engine produced up to the cut, so the gateway
+bills the work done. A request whose ``deadline_s`` passes while it still waits for its first token is
+aborted and ends with a final ``error`` chunk (504
 ``deadline_exceeded``); both kinds of deadline drop are counted (``EngineHandle.num_deadline_dropped``,
 ``ninfer:requests_deadline_dropped_total`` in ``/metrics``).
 """
