@@ -231,3 +231,48 @@ async def test_a_client_gone_mid_stream_bills_every_choices_work_once_the_engine
         assert (row["prompt_tokens"], row["output_tokens"]) == (outs[0].num_prompt_tokens,
                                                                 outs[0].num_output_tokens + outs[1].num_output_tokens)
         assert row["status"] == "aborted" and row["usage_source"] == "engine", row
+
+
+async def test_an_engine_from_before_n_is_cancelled_and_named_instead_of_answering_one_choice(
+        nats_server) -> None:  # type: ignore[no-untyped-def]
+    """An older engine reads past ``n`` and accepts without ``num_choices`` (its TokenChunk has no such
+    field): the gateway's bus hop cancels it there and refuses with a 400 naming the member."""
+    from nats.aio.msg import Msg
+
+    from proto import Cancel, GenerateRequest, TokenChunk, Usage, decode, encode, subjects
+    from services.gateway import bus_backend
+    from services.gateway.errors import WorkerUnavailable
+
+    engine_nc, gw_nc = await connect(nats_server.url, "engine"), await connect(nats_server.url, "gateway")
+    try:
+        cancels: asyncio.Queue[str] = asyncio.Queue()
+
+        async def old_engine(msg: Msg) -> None:  # the acceptance as an engine before issue #26 item 6 sent it
+            req = decode(msg.data, GenerateRequest)
+            accepted = TokenChunk(request_id=req.request_id, index=0, worker_id="w1",
+                                  usage=Usage(prompt_tokens=3, completion_tokens=0))
+            assert accepted.num_choices is None  # what decoding the older engine's chunk gives
+            await engine_nc.publish(msg.reply, encode(accepted))
+
+        async def on_cancel(msg: Msg) -> None:
+            await cancels.put(decode(msg.data, Cancel).request_id)
+
+        await engine_nc.subscribe(subjects.gen("w1"), cb=old_engine)
+        await engine_nc.subscribe(subjects.cancel("w1"), cb=on_cancel)
+        await engine_nc.flush()
+        for ask in ({"n": 2}, {"echo": True}, {"suffix": "end"}):
+            req = GenerateRequest(request_id=f"r-{len(ask)}-{next(iter(ask))}", model="tiny", prompt="hi", **ask)
+            with pytest.raises(WorkerUnavailable) as err:
+                await bus_backend.start(gw_nc, "w1", req, 120, 120)
+            assert err.value.error is not None and err.value.error.status == 400
+            assert err.value.error.code == "model_not_supported" and "w1" in err.value.error.message
+            async with asyncio.timeout(120):
+                assert await cancels.get() == req.request_id
+        # a plain request is served by the older engine as before
+        stream = await bus_backend.start(gw_nc, "w1", GenerateRequest(request_id="plain", model="tiny", prompt="hi"),
+                                         120, 120)
+        assert stream.num_choices == 1
+        await stream.close()
+    finally:
+        await gw_nc.drain()
+        await engine_nc.drain()
