@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,3 +277,24 @@ async def test_an_engine_from_before_n_is_cancelled_and_named_instead_of_answeri
     finally:
         await gw_nc.drain()
         await engine_nc.drain()
+
+
+async def test_admission_reserves_max_tokens_for_each_of_n_choices(nats_server, long_model: Path,  # type: ignore[no-untyped-def]
+                                                                  tmp_path: Path) -> None:
+    from services.gateway.identity import hash_password
+    from services.gateway.limits import Limits, key_principal
+    from tests.integration.test_limits import PROMPT as LIMITS_PROMPT
+    from tests.integration.test_limits import replicas
+
+    async with replicas(nats_server, long_model, tmp_path, n=1) as r:
+        gw = r.gateways[0]
+        user = gw.identity.create_user("nina", hash_password("nina-password-1"), "user")
+        key, record = gw.identity.create_key(user.user_id, "k", None, time.time())
+        gw.identity.set_limits(key_principal(record.key_id), Limits(tokens_per_minute=10_000))
+        if time.time() % 60 > 50:  # the header must be read in the minute window it was booked in
+            await asyncio.sleep(61 - time.time() % 60)
+        raw = await r.sdk(key).chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": LIMITS_PROMPT}], max_tokens=4, n=4)
+        assert len(raw.parse().choices) == 4
+        # the prompt estimate (no history yet: ceil(13 characters / 4) = 4) + 4 choices x max_tokens 4
+        assert raw.headers["x-ratelimit-remaining-tokens"] == str(10_000 - (4 + 4 * 4))
