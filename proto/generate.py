@@ -116,6 +116,13 @@ class GenerateRequest(Message, frozen=True):
     # client sent them: JSON values the engine passes to the chat template)
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] = {}
+    # n > 1, echo and suffix (issue #26): ``n`` choices share the prompt's prefill, choice i sampled with
+    # ``seed + i``; ``echo`` (completions): each choice's text starts with the prompt; ``suffix``
+    # (completions): the text after the hole, served as fill-in-the-middle (a 400 without FIM tokens). An
+    # engine that serves them says ``num_choices == n`` in its acceptance chunk.
+    n: int = 1
+    echo: bool = False
+    suffix: str | None = None
 
 
 class Usage(Message, frozen=True):
@@ -179,7 +186,8 @@ class TokenChunk(Message, frozen=True):
     """engine → gateway on the request's reply inbox, in order (``index`` counts from 0).
 
     The final chunk has ``finish_reason`` set and carries ``usage`` and ``timings``; an error ends the
-    stream with ``error`` set (and ``finish_reason="error"``).
+    stream with ``error`` set (and ``finish_reason="error"``). With n > 1 each choice (``choice``) ends with
+    its own final chunk and the reply is over once the acceptance's ``num_choices`` finals have come.
     """
 
     request_id: str
@@ -199,6 +207,13 @@ class TokenChunk(Message, frozen=True):
     # appended for issue #26 (n > 1): which of the request's choices this chunk belongs to (``index`` still
     # counts the chunks of the whole reply)
     choice: int = 0
+    # appended for issue #26: on the acceptance (chunk 0), how many choices the engine will send (each ends
+    # with its own final chunk); None from an engine before n > 1, echo and suffix (it serves one choice and
+    # reads past those fields). On other chunks: None.
+    num_choices: int | None = None
+    # appended for issue #26: this choice's output tokens inside its <think> block so far (tags included),
+    # on every chunk of a thinking reply (``continuous_usage_stats`` reports it); the final usage restates it
+    reasoning_tokens: int = 0
 
     @property
     def is_final(self) -> bool:

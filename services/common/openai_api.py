@@ -54,7 +54,7 @@ class ParsedRequest:
     # stream_options.continuous_usage_stats (vLLM's and SGLang's extension): every content chunk of the
     # stream carries the usage so far, so a client (or a gateway) that is cut off knows what it cost
     continuous_usage: bool = False
-    # choices to generate (OpenAI's n); > 1 is also listed in ``unsupported`` for engines that cannot
+    # choices to generate (OpenAI's n; also ``generate.n``)
     n: int = 1
     # /v1/responses (services/common/openai_responses.py): what the Response object echoes of its request
     responses: ResponsesOptions | None = None
@@ -379,6 +379,20 @@ def _reasoning_fields(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
     return {"reasoning_effort": effort, "chat_template_kwargs": kwargs}
 
 
+def _echo_and_suffix(body: dict[str, Any], endpoint: str) -> tuple[bool, str | None]:
+    """Legacy completions' ``echo`` (the prompt starts each choice's text) and ``suffix`` (the text after the
+    hole: fill-in-the-middle); chat has neither."""
+    if endpoint != "completions":
+        return False, None
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise InvalidRequest("'echo' must be a boolean", "echo")
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise InvalidRequest("'suffix' must be a string", "suffix")
+    return bool(echo), suffix or None
+
+
 def _tool_fields(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
     if endpoint != "chat.completions":
         return {}
@@ -435,6 +449,7 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         logprobs = _int(body, "logprobs", 0)
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise InvalidRequest(f"'logprobs' must be <= {MAX_LOGPROBS}, got {logprobs}", "logprobs")
+    echo, suffix = _echo_and_suffix(body, endpoint)
     generate = GenerateRequest(
         request_id="",
         model=model,
@@ -458,6 +473,9 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
         logit_bias=_logit_bias(body),
         **_tool_fields(body, endpoint),
         **_reasoning_fields(body, endpoint),
+        n=n,
+        echo=echo,
+        suffix=suffix,
     )
     return ParsedRequest(endpoint, model, stream, include_usage, generate, _unsupported(body, endpoint),
                          continuous_usage, n)
@@ -467,12 +485,8 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
 # accepting such a request and ignoring the parameter would hand the client a silently wrong answer.
 # (response_format, the guided_* forms, logit_bias, min_p, tools and tool_choice are implemented: issue #26;
 # the legacy ``functions`` / ``function_call`` forms are not.)
-# (n > 1, echo and suffix are served by ninfer-serve's own HTTP face, which takes them off this list:
-# ``ENGINE_SERVES``; the bus protocol does not carry them yet, so the gateway sends them to HTTP members.)
-_BOTH: dict[str, Callable[[Any], bool]] = {"n": lambda v: v not in (None, 1)}
-ENGINE_SERVES = frozenset({"n", "echo", "suffix"})
+# (n > 1, echo and suffix are implemented too and carried in the GenerateRequest: issue #26.)
 _CHAT_CHECKS: dict[str, Callable[[Any], bool]] = {
-    **_BOTH,
     "functions": bool,
     "function_call": lambda v: v not in (None, "none"),
     "modalities": lambda v: v is not None and v != ["text"],
@@ -480,8 +494,6 @@ _CHAT_CHECKS: dict[str, Callable[[Any], bool]] = {
     "prediction": lambda v: v is not None,
 }
 _COMPLETIONS_CHECKS: dict[str, Callable[[Any], bool]] = {
-    **_BOTH,
-    "echo": bool, "suffix": bool,
     "best_of": lambda v: v not in (None, 1),
 }
 
@@ -501,6 +513,17 @@ def unsupported_error(parsed: ParsedRequest, engine: str) -> InvalidRequest:
 def empty_generate(model: str) -> GenerateRequest:
     """A GenerateRequest placeholder for endpoints that are passed through untouched (embeddings)."""
     return GenerateRequest(request_id="", model=model)
+
+
+def combined_usage(usages: list[Usage]) -> Usage:
+    """One request's usage from its choices' (n > 1, choice 0 first): the prompt (and its cached part) counted
+    once, as choice 0 counted it (the choices share it), the output and reasoning tokens summed."""
+    first = usages[0]
+    if len(usages) == 1:
+        return first
+    return Usage(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
+                 completion_tokens=sum(u.completion_tokens for u in usages),
+                 reasoning_tokens=sum(u.reasoning_tokens for u in usages))
 
 
 def usage_body(usage: Usage | None) -> dict[str, Any] | None:

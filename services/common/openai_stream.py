@@ -57,12 +57,10 @@ def _combined_final(finals: dict[int, TokenChunk]) -> TokenChunk:
     """One final chunk for ``n`` choices: the first choice's, its usage summed over the choices' output
     (the prompt counted once: the choices share it)."""
     first = finals[0]
-    usages = [c.usage for c in finals.values() if c.usage is not None]
     if len(finals) == 1 or first.usage is None:
         return first
-    usage = msgspec.structs.replace(first.usage, completion_tokens=sum(u.completion_tokens for u in usages),
-                                    reasoning_tokens=sum(u.reasoning_tokens for u in usages))
-    return msgspec.structs.replace(first, usage=usage)
+    usages = [first.usage] + [c.usage for i, c in sorted(finals.items()) if i and c.usage is not None]
+    return msgspec.structs.replace(first, usage=openai_api.combined_usage(usages))
 
 
 async def _collect(parsed: openai_api.ParsedRequest, request_id: str, chunks: AsyncIterator[TokenChunk],
@@ -134,28 +132,47 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
     finals: dict[int, TokenChunk] = {}
     # the usage so far, for stream_options.continuous_usage_stats: the prompt as the acceptance chunk says
     prompt_tokens, cached_tokens, output_tokens = 0, 0, 0
+    reasoning_tokens = dict.fromkeys(range(parsed.n), 0)  # each choice's, so far (the chunks restate theirs)
+
+    def running_usage() -> dict[str, Any] | None:
+        return openai_api.usage_body(Usage(prompt_tokens=prompt_tokens, completion_tokens=output_tokens,
+                                           cached_tokens=cached_tokens,
+                                           reasoning_tokens=sum(reasoning_tokens.values())))
+
     # The last events (the final chunk's text, finish, usage, [DONE]) go out in one write with the end of
     # the chunked body: one system call instead of four or five.
     tail: list[bytes] = []
-    if parsed.endpoint == "chat.completions":
-        for i in range(parsed.n):
-            await response.write(event(openai_api.stream_chunk(parsed, rid, created, role=True, text="", index=i)))
+    roles_sent = parsed.endpoint != "chat.completions"  # chat opens each choice with an assistant role delta
     try:
         async for chunk in chunks:
             i = chunk.choice
+            if not roles_sent:  # after the acceptance (chunk 0), whose prompt count a running usage states
+                roles_sent = True
+                if chunk.usage is not None and not chunk.is_final:
+                    prompt_tokens, cached_tokens = chunk.usage.prompt_tokens, chunk.usage.cached_tokens
+                for j in range(parsed.n):
+                    opening = openai_api.stream_chunk(parsed, rid, created, role=True, text="", index=j)
+                    if parsed.continuous_usage:
+                        opening["usage"] = running_usage()
+                    await response.write(event(opening))
             is_last = chunk.error is not None or (chunk.is_final and len(finals) + 1 >= parsed.n)
             pending: list[bytes] = []  # this chunk's events: they join the tail when it is the reply's last
 
             if chunk.usage is not None and not chunk.is_final:
                 prompt_tokens, cached_tokens = chunk.usage.prompt_tokens, chunk.usage.cached_tokens
             output_tokens += len(chunk.token_ids)
+            if chunk.index > 0:  # (the acceptance has none)
+                reasoning_tokens[i] = chunk.usage.reasoning_tokens if chunk.is_final and chunk.usage else \
+                    chunk.reasoning_tokens
             logprobs = openai_api.logprobs_body(parsed, chunk.logprobs, text_offset[i]) if chunk.logprobs else None
             text = chunk.text
             if chunk.reasoning and parsed.endpoint == "chat.completions":  # the <think> block, before the answer
                 if ttft_ms is None:
                     ttft_ms = (time.monotonic() - started) * 1000.0
-                await response.write(event(openai_api.stream_chunk(parsed, rid, created, reasoning=chunk.reasoning,
-                                                                   index=i)))
+                body = openai_api.stream_chunk(parsed, rid, created, reasoning=chunk.reasoning, index=i)
+                if parsed.continuous_usage:
+                    body["usage"] = running_usage()
+                await response.write(event(body))
             parser = parsers.get(i)
             if parser is not None:
                 text = ""
@@ -185,9 +202,7 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
                     ttft_ms = (time.monotonic() - started) * 1000.0
                 body = openai_api.stream_chunk(parsed, rid, created, text=text, logprobs=logprobs, index=i)
                 if parsed.continuous_usage:
-                    body["usage"] = openai_api.usage_body(Usage(prompt_tokens=prompt_tokens,
-                                                                completion_tokens=output_tokens,
-                                                                cached_tokens=cached_tokens))
+                    body["usage"] = running_usage()
                 pending.append(event(body))
                 text_offset[i] += sum(len(e.token) for e in chunk.logprobs or ())
             if chunk.error is not None:
@@ -199,6 +214,8 @@ async def _stream(request: web.Request, parsed: openai_api.ParsedRequest, reques
                     parsed, chunk, num_calls[i]), index=i)
                 if chunk.timings is not None:
                     final["timings"] = openai_api.timings_body(chunk.timings)
+                if parsed.continuous_usage:
+                    final["usage"] = running_usage()
                 pending.append(event(final))
                 if is_last:
                     combined = _combined_final(finals)

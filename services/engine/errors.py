@@ -72,7 +72,9 @@ class ChatTemplateError(EngineError, ValueError):
 #     ├── InvalidParameterError (ValueError)  a request field is out of range (``field``, ``value``)
 #     ├── ContextLengthExceededError          prompt + max_tokens exceeds the per-request context limit
 #     ├── QueueFullError                      the bounded pending queue is full; retry after ``retry_after_s``
-#     └── DuplicateRequestError               a request id is already waiting or running
+#     ├── DuplicateRequestError               a request id is already waiting or running
+#     └── UnsupportedParameterError           the model cannot do what a parameter asks (``field``): suffix
+#                                             without fill-in-the-middle tokens, echo with logprobs
 
 
 class InvalidParameterError(EngineError, ValueError):
@@ -141,3 +143,12 @@ class DeadlineExceededError(EngineError):
         self.deadline_s = deadline_s
         self.now_s = now_s
         self.where = where
+
+
+class UnsupportedParameterError(EngineError):
+    """The request asks for something this engine or model cannot do (OpenAI code ``unsupported_parameter``):
+    ``field`` names the parameter, ``message`` says why (``suffix`` without fill-in-the-middle tokens, say)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field

@@ -37,7 +37,8 @@ class BusStream:
     Waits for chunks in slices of at most ``LIVENESS_POLL_S`` and asks ``is_alive`` in between: a worker
     that died (its heartbeats stopped, or it restarted under a new session) ends the stream within the
     gateway's staleness threshold instead of after ``chunk_timeout_s`` of silence. ``deadline_s``
-    (monotonic) is the gateway's request timeout.
+    (monotonic) is the gateway's request timeout. With n > 1 the reply ends once each of the acceptance's
+    ``num_choices`` choices has sent its final chunk (or at an error).
     """
 
     def __init__(self, sub: Subscription, first: TokenChunk, chunk_timeout_s: float,
@@ -49,6 +50,16 @@ class BusStream:
         self.deadline_s = deadline_s
         self._read: list[TokenChunk] = [first]  # read ahead by prime(), not yet yielded
         self._expected = first.index + 1
+        self.num_choices = first.num_choices or 1  # None: an engine from before n > 1 (one choice)
+        self._ended: set[int] = set()  # the choices whose final chunk has been read
+
+    def _is_last(self, chunk: TokenChunk) -> bool:
+        """Whether ``chunk`` ends the reply: an error, or the final chunk of the last open choice."""
+        if chunk.error is not None:
+            return True
+        if chunk.is_final:
+            self._ended.add(chunk.choice)
+        return len(self._ended) >= self.num_choices
 
     async def _next(self) -> TokenChunk:
         silent_until = time.monotonic() + self.chunk_timeout_s
@@ -92,12 +103,14 @@ class BusStream:
                 raise WorkerUnavailable(worker_id, f"before its first token: {err.message}") from None
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
-        chunk = self.first
+        is_last = False
         while self._read:
             chunk = self._read.pop(0)
+            is_last = self._is_last(chunk)
             yield chunk
-        while not chunk.is_final:
+        while not is_last:
             chunk = self._accept(await self._next())
+            is_last = self._is_last(chunk)
             yield chunk
 
     async def rest(self, timeout_s: float) -> AsyncIterator[TokenChunk]:
@@ -106,7 +119,7 @@ class BusStream:
         first. Order is not checked here: a lost chunk cannot mislead a count the final chunk restates."""
         for chunk in self._read:
             yield chunk
-            if chunk.is_final:
+            if self._is_last(chunk):
                 return
         self._read = []
         deadline = time.monotonic() + timeout_s
@@ -120,7 +133,7 @@ class BusStream:
             except ProtoDecodeError:
                 continue
             yield chunk
-            if chunk.is_final:
+            if self._is_last(chunk):
                 return
 
     async def close(self) -> None:
@@ -160,6 +173,11 @@ async def start(nc: Client, worker_id: str, generate: GenerateRequest, first_chu
             raise WorkerUnavailable(worker_id, exc.reason) from None
         if first.error is not None:
             raise WorkerUnavailable(worker_id, first.error.message, chunk_error(first))
+        if first.num_choices is None and (generate.n > 1 or generate.echo or generate.suffix):
+            # an engine from before n > 1 / echo / suffix reads past those fields: one choice, no echo, no FIM
+            await cancel(nc, worker_id, generate.request_id)
+            raise WorkerUnavailable(worker_id, "its engine predates n > 1, echo and suffix",
+                                    not_supported(worker_id, "n > 1, echo or suffix"))
         return BusStream(sub, first, chunk_timeout_s, is_alive, deadline_s)
     except BaseException:
         with contextlib.suppress(Exception):

@@ -218,7 +218,7 @@ class Forwarder:
                 skipped = skipped or HTTPError(400, capabilities.refusal_message(member_id, missing),
                                                code="model_not_supported", param=param)
                 continue
-            if parsed.unsupported and ref.kind != "http":
+            if parsed.unsupported and ref.kind != "http":  # (n > 1, echo and suffix cross the bus: issue #26)
                 # Asks for what our engines do not implement (tools, ...): HTTP members get the body as it came.
                 refusal = openai_api.unsupported_error(parsed, f"engine {member_id}")
                 last_error = last_error or HTTPError.bad_request(refusal)
@@ -351,6 +351,7 @@ class Forwarder:
         first = stream.first
         meter.accepted(first.usage.prompt_tokens if first.usage else None,
                        first.usage.cached_tokens if first.usage else 0)
+        meter.num_choices = stream.num_choices
         try:
             try:
                 await stream.prime(ref.member_id)  # a worker lost before its first token: fail over
@@ -380,7 +381,8 @@ class Forwarder:
             async for chunk in stream.rest(ABORT_REPORT_WAIT_S):
                 meter.saw_tokens(len(chunk.token_ids))
                 if chunk.is_final and chunk.usage is not None:  # an abort's count, or an end already on its way
-                    meter.finished(chunk.usage, "engine" if chunk.finish_reason == "abort" else "member")
+                    meter.choice_finished(chunk.choice, chunk.usage,
+                                          "engine" if chunk.finish_reason == "abort" else "member")
             if not meter.is_final:
                 log.warning("no abort report from %s within %.1f s: billed the %d tokens the gateway saw",
                             stream.first.worker_id or "the engine", time.monotonic() - started,
@@ -519,6 +521,10 @@ async def _metered(chunks: AsyncIterator[TokenChunk], first: Callable[[], None],
             first()
         if chunk.index > 0:  # chunk 0, the acceptance, is counted by the caller
             meter.saw_tokens(len(chunk.token_ids))
+            if chunk.is_final and chunk.error is None and chunk.usage is not None:
+                # each choice's own end (n > 1): a client gone before the last one still bills those
+                meter.choice_finished(chunk.choice, chunk.usage,
+                                      "engine" if chunk.finish_reason == "abort" else "member")
         yield chunk
 
 

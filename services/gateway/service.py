@@ -201,6 +201,7 @@ class GatewayService:
         now = time.time()
         max_tokens = parsed.generate.max_tokens
         output = max_tokens if max_tokens is not None else self.pools_file.file_config.limits.reserve_output_tokens
+        output *= parsed.n  # each of n choices may make that much (the prompt is shared: counted once)
         prompt = self.prompt_estimator.estimate(parsed.model, routing_adapter.prompt_chars(parsed))
         cost = Cost(tokens=prompt + output, requests=1,
                     usd=self._list_price(parsed.model, Usage(prompt_tokens=prompt, completion_tokens=output)))

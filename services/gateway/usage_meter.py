@@ -19,10 +19,11 @@ The rules (docs/accounting.md, "How usage is counted"):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from proto import Usage
+from services.common.openai_api import combined_usage
 
 UsageSource = Literal["member", "engine", "counted_by_gateway", "none"]
 
@@ -40,6 +41,9 @@ class UsageMeter:
     latest_usage: Usage | None = None  # the newest usage the member sent (continuous usage: every chunk)
     final: Usage | None = None
     final_source: UsageSource = "member"
+    # n > 1: the choices the member will send (its acceptance says), and the final usage of each that ended
+    num_choices: int = 1
+    choice_finals: dict[int, tuple[Usage, UsageSource]] = field(default_factory=dict)
 
     def accepted(self, prompt_tokens: int | None = None, cached_tokens: int = 0) -> None:
         """A member took the request; ``prompt_tokens`` as it counted them, when it said."""
@@ -61,6 +65,17 @@ class UsageMeter:
         """The member's final usage (rule 1), or our engine's count at an abort (rule 2)."""
         self.admitted = True
         self.final, self.final_source = usage, source
+
+    def choice_finished(self, choice: int, usage: Usage, source: UsageSource = "member") -> None:
+        """One choice's final usage (or our engine's count at its abort). Once every choice has ended, their
+        sum is the request's usage (:meth:`finished`): the prompt counted once, the choices' output summed
+        (``openai_api.combined_usage``, as the client's own usage says)."""
+        self.admitted = True
+        self.choice_finals[choice] = (usage, source)
+        if len(self.choice_finals) >= self.num_choices:
+            ordered = [self.choice_finals[i] for i in sorted(self.choice_finals)]
+            self.finished(combined_usage([u for u, _ in ordered]),
+                          "engine" if any(src == "engine" for _, src in ordered) else "member")
 
     @property
     def is_final(self) -> bool:

@@ -36,9 +36,10 @@ def test_chat_parameters_we_cannot_honour_are_named(extra: dict[str, Any], unsup
 
 @pytest.mark.parametrize(("extra", "unsupported"), [
     ({"echo": False, "best_of": 1, "suffix": ""}, ()),
-    ({"echo": True}, ("echo",)),
+    ({"echo": True}, ()),  # implemented (issue #26): carried in the GenerateRequest
     ({"best_of": 3}, ("best_of",)),
-    ({"suffix": "end"}, ("suffix",)),
+    ({"suffix": "end"}, ()),
+    ({"n": 3}, ()),
     ({"min_tokens": 4}, ()),
 ])
 def test_completion_parameters_we_cannot_honour_are_named(extra: dict[str, Any],

@@ -21,6 +21,7 @@ from services.engine.errors import (
     EngineError,
     InvalidParameterError,
     QueueFullError,
+    UnsupportedParameterError,
 )
 from services.engine.model.tokenizer import Tokenizer
 from services.engine.model.tool_prompt import tool_call_schema
@@ -165,6 +166,9 @@ def error_info(exc: BaseException) -> ErrorInfo:
     if isinstance(exc, InvalidParameterError):
         return ErrorInfo(message=exc.message, type="invalid_request_error", code="invalid_parameter",
                          param=exc.field, status=400)
+    if isinstance(exc, UnsupportedParameterError):
+        return ErrorInfo(message=exc.message, type="invalid_request_error", code="unsupported_parameter",
+                         param=exc.field, status=400)
     if isinstance(exc, DeadlineExceededError):
         return ErrorInfo(message=exc.message, type="timeout_error", code="deadline_exceeded", status=504)
     if isinstance(exc, EngineError):
@@ -239,7 +243,7 @@ def output_chunk(tokenizer: Tokenizer, request_id: str, index: int, output: Requ
             reasoning, text = reasoning + more_reasoning, text + more_text
     if not output.finished:
         return TokenChunk(request_id=request_id, index=index, text=text, token_ids=list(output.token_ids),
-                          logprobs=logprobs, reasoning=reasoning)
+                          logprobs=logprobs, reasoning=reasoning, reasoning_tokens=output.num_reasoning_tokens)
     t = output.timings
     return TokenChunk(
         request_id=request_id, index=index, text=text, reasoning=reasoning, token_ids=list(output.token_ids),
@@ -254,5 +258,5 @@ def output_chunk(tokenizer: Tokenizer, request_id: str, index: int, output: Requ
             ttft_ms=t.ttft_ms if t else None, draft_n=output.num_draft_tokens,
             draft_n_accepted=output.num_accepted_draft_tokens,
         ),
-        worker_id=worker_id,
+        worker_id=worker_id, reasoning_tokens=output.num_reasoning_tokens,
     )

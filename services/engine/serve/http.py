@@ -28,14 +28,14 @@ from services.common.energy_counter import DEFAULT_MAX_RAPL_POWER_W, CounterLimi
 from services.common.http import HTTPError, error_middleware, read_json_object, serving
 from services.common.prom import CONTENT_TYPE
 from services.common.runtime import new_session_id, raise_if_cancelling
-from services.engine.core.sampling_params import SamplingParams
 from services.engine.errors import EngineError
 from services.engine.outputs import RequestOutput
 from services.engine.serve import openapi
-from services.engine.serve.async_engine import EngineHandle, RequestStream
+from services.engine.serve.async_engine import EngineHandle
+from services.engine.serve.choices import Choices, admit_first, admit_rest, choice_chunks, prepare_choices
 from services.engine.serve.embedder import embed_reply
 from services.engine.serve.energy import EnergyMeter, EnergyTracker, total_energy_j
-from services.engine.serve.frontend import error_info, output_chunk, prepare_request, reasoning_splitter
+from services.engine.serve.frontend import error_info
 from services.engine.serve.usage_ledger import UsageLedger, load_state, save_state, utc_day
 from services.engine.serve.views import RequestStats, metrics_text, slots_body, usage_body
 
@@ -242,117 +242,45 @@ class EngineService:
         try:
             parsed = (openai_responses.parse_responses(body) if endpoint == "responses"
                       else openai_api.parse_request(body, endpoint))
-            # n > 1, echo and suffix are served here (not yet over the bus: the gateway sends those elsewhere)
-            refused = tuple(name for name in parsed.unsupported if name not in openai_api.ENGINE_SERVES)
-            if refused:
-                raise openai_api.unsupported_error(dataclasses.replace(parsed, unsupported=refused), "ninfer-serve")
+            if parsed.unsupported:
+                raise openai_api.unsupported_error(parsed, "ninfer-serve")
         except openai_api.InvalidRequest as exc:
             raise HTTPError.bad_request(exc) from None
         if parsed.model != self.core.model_id:
             raise HTTPError(404, f"model '{parsed.model}' does not exist (this engine serves "
                                  f"'{self.core.model_id}')", code="model_not_found", param="model")
-        if parsed.n > self.core.config.max_concurrency:
-            raise HTTPError(400, f"n={parsed.n} is more than this engine's max concurrency "
-                                 f"({self.core.config.max_concurrency}): the choices decode side by side",
-                            code="invalid_parameter", param="n")
-        echo = endpoint == "completions" and bool(body.get("echo"))
-        if echo and parsed.generate.logprobs is not None:
-            raise HTTPError(400, "'echo' with 'logprobs' needs the prompt's logprobs, which this engine does not "
-                                 "compute: send one of the two", code="unsupported_parameter", param="echo")
         parsed = dataclasses.replace(parsed, tool_format=self.core.tokenizer.tool_call_format)
         request_id = f"req-{uuid.uuid4().hex}"
         generate = msgspec.structs.replace(parsed.generate, request_id=request_id, gateway_id="http")
-        if endpoint == "completions" and body.get("suffix"):
-            generate = msgspec.structs.replace(generate, prompt=self._fill_in_the_middle(generate.prompt or "",
-                                                                                          body["suffix"]))
-        streams: list[RequestStream] = []
+        choices: Choices | None = None
         try:
             try:
-                prompt_ids, params = prepare_request(self.core, generate)
-                # each choice its own seed stream: seed + i (unseeded choices draw independently)
-                choice_params = [params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-                                 for i in range(parsed.n)]
-                streams.append(await self.engine.add_request(
-                    request_id if parsed.n == 1 else f"{request_id}-0", prompt_ids, choice_params[0], source="http"))
-                first: RequestOutput | None = None
-                if parsed.n > 1:
-                    # the other choices wait for the first one's prefill: its full prompt blocks are then in the
-                    # prefix cache, so the prompt is computed once and the others share its blocks
-                    first = await streams[0].next_output()
-                    for i in range(1, parsed.n):
-                        streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt_ids,
-                                                                     choice_params[i], source="http"))
+                prompt_ids, choice_params = prepare_choices(self.core, generate)
+                choices = await admit_first(self.engine, request_id, prompt_ids, choice_params, "http")
+                if choices.num_choices > 1:
+                    # the other choices wait for the first one's prefill (choices.py): the prompt is computed once
+                    choices.first = await choices.streams[0].next_output()
+                    await admit_rest(self.engine, choices, prompt_ids, "http")
             except (EngineError, ValueError) as exc:
                 info = error_info(exc)
                 raise HTTPError(info.status, info.message, code=info.code, param=info.param, type=info.type,
                                 retry_after_s=info.retry_after_s) from None
             return await openai_stream.respond(
                 request, parsed, request_id,
-                self._chunks(request_id, prompt_ids, choice_params, streams, first,
-                             (generate.prompt or "") if echo else None),
+                self._chunks(request_id, prompt_ids, choices, (generate.prompt or "") if generate.echo else None),
                 on_final=lambda _c, _t: None, on_error=lambda _e: None)
         finally:
-            for stream in streams:
-                stream.close()  # a client that went away aborts the request in the engine (frees its blocks)
+            if choices is not None:
+                choices.close()  # a client that went away aborts the request in the engine (frees its blocks)
 
-    def _fill_in_the_middle(self, prompt: str, suffix: object) -> str:
-        """``suffix`` (legacy completions): the FIM prompt when the tokenizer has Qwen2.5-Coder / StarCoder
-        style fill-in-the-middle tokens, else a 400 that says so."""
-        if not isinstance(suffix, str):
-            raise HTTPError(400, "'suffix' must be a string", code="invalid_parameter", param="suffix")
-        tokenizer = self.core.tokenizer
-        for start, hole, middle in (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
-                                    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")):
-            if all(tokenizer.token_to_id(t) is not None for t in (start, hole, middle)):
-                return f"{start}{prompt}{hole}{suffix}{middle}"
-        raise HTTPError(400, f"'suffix' needs fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, "
-                             f"<|fim_middle|>) and model '{self.core.model_id}' has none", code="unsupported_parameter",
-                        param="suffix")
-
-    async def _chunks(self, request_id: str, prompt_ids: list[int], choice_params: list[SamplingParams],
-                      streams: list[RequestStream], first: RequestOutput | None, echo: str | None
+    async def _chunks(self, request_id: str, prompt_ids: list[int], choices: Choices, echo: str | None
                       ) -> AsyncIterator[TokenChunk]:
         """The reply's TokenChunks, the choices' interleaved as their outputs come (``choice`` says whose)."""
         # the acceptance, as on the bus: the prompt's token count (continuous_usage_stats reads it)
-        yield TokenChunk(request_id=request_id, index=0, worker_id=self.worker_id,
+        yield TokenChunk(request_id=request_id, index=0, worker_id=self.worker_id, num_choices=choices.num_choices,
                          usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=0))
-        index = 0
-        if echo is not None:
-            for i in range(len(streams)):
-                index += 1
-                yield TokenChunk(request_id=request_id, index=index, text=echo, choice=i)
-        tokenizer = self.core.tokenizer
-        if len(streams) == 1:
-            splitter = reasoning_splitter(choice_params[0])
-            async for output in streams[0]:
-                index += 1
-                yield output_chunk(tokenizer, request_id, index, output, self.worker_id, splitter)
-            return
-        queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            async for output in streams[i]:
-                await queue.put((i, output))
-            await queue.put((i, None))
-
-        splitters = [reasoning_splitter(p) for p in choice_params]
-        if first is not None:
-            await queue.put((0, first))
-        pumps = [asyncio.create_task(pump(i), name=f"{request_id}-{i}") for i in range(len(streams))]
-        try:
-            num_open = len(streams)
-            while num_open:
-                i, item = await queue.get()
-                if item is None:
-                    num_open -= 1
-                    continue
-                index += 1
-                chunk = output_chunk(tokenizer, request_id, index, item, self.worker_id, splitters[i])
-                yield msgspec.structs.replace(chunk, choice=i)
-        finally:
-            for task in pumps:
-                task.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
+        async for chunk in choice_chunks(self.core.tokenizer, choices, self.worker_id, echo):
+            yield chunk
 
 
 def http_site(service: EngineService) -> contextlib.AbstractAsyncContextManager[str]:

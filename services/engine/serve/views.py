@@ -62,7 +62,8 @@ class RequestStats:
         self.num_output_tokens += output.num_output_tokens
         self.prompt_tokens.observe(output.num_prompt_tokens)
         self.generation_tokens.observe(output.num_output_tokens)
-        self.n_param.observe(1)  # n > 1 is refused at the edge (openai_api): every request asks for one choice
+        # each choice of an n > 1 request is an engine request of its own (serve/choices.py), observed as n=1
+        self.n_param.observe(1)
         if output.max_tokens:
             self.max_tokens_param.observe(output.max_tokens)
         t = output.timings
@@ -221,7 +222,8 @@ def metrics_text(model_id: str, snap: EngineSnapshot, req: RequestStats, uptime_
                 model)
     m.histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
                 req.generation_tokens.up_to(max_len), model)
-    # n is always 1 here, so the most generation tokens of a request's choices is its generation tokens
+    # every engine request is one choice (n > 1: one request per choice), so the most generation tokens of a
+    # request's choices is its generation tokens
     m.histogram("vllm:request_max_num_generation_tokens", "Maximum number of requested generation tokens.",
                 req.generation_tokens.up_to(max_len), model)
     m.histogram("vllm:request_params_max_tokens", "The max_tokens request parameter.",

@@ -4,9 +4,11 @@ Reply protocol on the request's inbox (all TokenChunks, ``index`` counting from 
 (empty) or a refusal (``error`` set: 400 bad request, 429 queue full with ``retry_after_s``, 504
 ``deadline_exceeded`` when ``deadline_s`` had passed); then one chunk per step with new text; the final chunk
 carries ``finish_reason``, ``usage`` and ``timings``. The acceptance carries ``usage`` with the prompt's token
-count; a cancelled request (``llm.v1.cancel.<worker_id>``) ends with a final ``abort`` chunk whose ``usage``
-is what the engine produced up to the cut, so the gateway bills the work done. A request whose ``deadline_s``
-passes while it still waits for its first token is aborted and ends with a final ``error`` chunk (504
+count and ``num_choices``: with n > 1 (serve/choices.py) every chunk names its ``choice`` and each choice ends
+with its own final chunk. A cancelled request (``llm.v1.cancel.<worker_id>``) ends with a final ``abort``
+chunk (one per unfinished choice) whose ``usage`` is what the engine produced up to the cut, so the gateway
+bills the work done. A request whose ``deadline_s`` passes while it still waits for its first token is
+aborted and ends with a final ``error`` chunk (504
 ``deadline_exceeded``); both kinds of deadline drop are counted (``EngineHandle.num_deadline_dropped``,
 ``ninfer:requests_deadline_dropped_total`` in ``/metrics``).
 """
@@ -19,9 +21,10 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -51,8 +54,9 @@ from services.common.runtime import new_session_id, raise_if_cancelling
 from services.engine.errors import DeadlineExceededError, EngineError
 from services.engine.outputs import RequestOutput
 from services.engine.serve.async_engine import EngineHandle, RequestStream
+from services.engine.serve.choices import Choices, admit_first, admit_rest, choice_chunks, prepare_choices
 from services.engine.serve.embedder import embed_reply
-from services.engine.serve.frontend import error_info, output_chunk, prepare_request, reasoning_splitter
+from services.engine.serve.frontend import error_info, output_chunk
 
 log = logging.getLogger(__name__)
 
@@ -238,59 +242,71 @@ class BusWorker:
         await self.nc.publish(inbox, encode(chunk))
 
     async def _serve(self, req: GenerateRequest, inbox: str) -> None:
+        choices: Choices | None = None
         try:
             if req.deadline_s is not None and (now_s := self._wall_clock()) >= req.deadline_s:
                 self.engine.count_deadline_dropped()  # the gateway has given up: do not admit it
                 raise DeadlineExceededError(req.deadline_s, now_s, "before admission")
-            prompt_ids, params = prepare_request(self.engine.core, req)
-            stream = await self.engine.add_request(req.request_id, prompt_ids, params, source=req.gateway_id)
+            prompt_ids, choice_params = prepare_choices(self.engine.core, req)
+            choices = await admit_first(self.engine, req.request_id, prompt_ids, choice_params, req.gateway_id)
         except (EngineError, ValueError) as exc:
             await self._reply(inbox, TokenChunk(request_id=req.request_id, index=0, finish_reason="error",
                                                 error=error_info(exc), worker_id=self.config.worker_id))
             return
         # The acceptance carries the prompt's token count: a gateway that loses this engine mid-answer still
-        # bills the prompt as admitted (docs/accounting.md, "How usage is counted").
+        # bills the prompt as admitted (docs/accounting.md, "How usage is counted"); and how many choices
+        # (each ends with its own final chunk).
         await self._reply(inbox, TokenChunk(request_id=req.request_id, index=0, worker_id=self.config.worker_id,
+                                            num_choices=choices.num_choices,
                                             usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)))
         index = 0
-        splitter = reasoning_splitter(params)
         try:
-            outputs = aiter(stream)
-            if req.deadline_s is not None:
-                first = await self._first_output_by(outputs, stream, req.deadline_s)
+            if req.deadline_s is not None or choices.num_choices > 1:
+                first = await self._first_output_by(choices.streams[0], req.deadline_s)
                 if first is None:  # still waiting for its first token at the deadline: dropped, its slot freed
                     self.engine.count_deadline_dropped()
+                    assert req.deadline_s is not None
                     late = DeadlineExceededError(req.deadline_s, self._wall_clock(), "while queued")
                     await self._reply(inbox, TokenChunk(request_id=req.request_id, index=1, finish_reason="error",
                                                         error=error_info(late), worker_id=self.config.worker_id))
                     return
-                index += 1
-                await self._reply(inbox, output_chunk(self.engine.core.tokenizer, req.request_id, index, first,
-                                                      self.config.worker_id, splitter))
-            async for output in outputs:
-                index += 1
-                await self._reply(inbox, output_chunk(self.engine.core.tokenizer, req.request_id, index, output,
-                                                      self.config.worker_id, splitter))
+                choices.first = first
+                if choices.num_choices > 1:  # the others now find the first one's prompt blocks (choices.py)
+                    try:
+                        await admit_rest(self.engine, choices, prompt_ids, req.gateway_id)
+                    except (EngineError, ValueError) as exc:
+                        await self._reply(inbox, TokenChunk(request_id=req.request_id, index=1, finish_reason="error",
+                                                            error=error_info(exc), worker_id=self.config.worker_id))
+                        return
+            echo = (req.prompt or "") if req.echo else None
+            async for chunk in choice_chunks(self.engine.core.tokenizer, choices, self.config.worker_id, echo):
+                index = chunk.index
+                await self._reply(inbox, chunk)
         except asyncio.CancelledError:
             # Cancelled (the gateway's cancel: its client went away; or shutdown): abort in the engine and tell
-            # the gateway what the request used up to the cut, in a final "abort" chunk it waits for.
+            # the gateway what each unfinished choice used up to the cut, in a final "abort" chunk it waits for.
             with contextlib.suppress(Exception):
-                final = await asyncio.shield(stream.abort_and_wait(ABORT_REPORT_TIMEOUT_S))
-                if final is not None:
-                    final = dataclasses.replace(final, finish_reason="abort")
-                    await self._reply(inbox, output_chunk(self.engine.core.tokenizer, req.request_id, index + 1,
-                                                          final, self.config.worker_id, splitter))
+                finals = await asyncio.shield(asyncio.gather(
+                    *(stream.abort_and_wait(ABORT_REPORT_TIMEOUT_S) for stream in choices.streams)))
+                tokenizer = self.engine.core.tokenizer
+                for i, final in enumerate(finals):
+                    if final is not None:
+                        index += 1
+                        chunk = output_chunk(tokenizer, req.request_id, index,
+                                             dataclasses.replace(final, finish_reason="abort"), self.config.worker_id)
+                        await self._reply(inbox, msgspec.structs.replace(chunk, choice=i))
             raise
         finally:
-            stream.close()  # free its blocks (idempotent after an abort)
+            choices.close()  # free their blocks (idempotent after an abort)
 
-    async def _first_output_by(self, outputs: AsyncIterator[RequestOutput], stream: RequestStream,
-                               deadline_s: float) -> RequestOutput | None:
+    async def _first_output_by(self, stream: RequestStream, deadline_s: float | None) -> RequestOutput | None:
         """The request's first output, or None when ``deadline_s`` (wall clock) passes first: the request
         is then aborted in the engine (its blocks and lane freed) and its last output read."""
+        if deadline_s is None:
+            return await stream.next_output()
         try:
             async with asyncio.timeout(max(0.0, deadline_s - self._wall_clock())):
-                return await anext(outputs)
+                return await stream.next_output()
         except TimeoutError:
             await stream.abort_and_wait(ABORT_REPORT_TIMEOUT_S)
             return None

@@ -44,7 +44,7 @@ def test_the_parser_reads_reasoning_fields_and_bounds_n() -> None:
     g = parsed.generate
     assert g.reasoning_effort == "low" and g.chat_template_kwargs == {"enable_thinking": False}
     assert g.messages is not None and g.messages[1].reasoning == "why" and parsed.n == 3
-    assert "n" in parsed.unsupported  # for engines that cannot: the gateway's bus members
+    assert g.n == 3 and "n" not in parsed.unsupported  # carried to bus members too (GenerateRequest.n)
     for bad, param in (({"reasoning_effort": "max"}, "reasoning_effort"), ({"chat_template_kwargs": []},
                        "chat_template_kwargs"), ({"n": 0}, "n"), ({"n": 129}, "n"), ({"n": True}, "n")):
         with pytest.raises(openai_api.InvalidRequest) as err:
