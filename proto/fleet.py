@@ -17,6 +17,7 @@ CAPABILITY_STRUCTURED_OUTPUTS = "structured_outputs"  # response_format, guided_
 CAPABILITY_EMBEDDINGS = "embeddings"
 CAPABILITY_REASONING = "reasoning"  # reasoning_content split out of the reply
 CAPABILITY_RESPONSES = "responses"  # /v1/responses on its own HTTP face
+CAPABILITY_CHOICES = "choices"  # n > 1, echo and suffix over the bus (GenerateRequest.n / echo / suffix)
 
 
 

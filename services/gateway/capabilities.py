@@ -11,11 +11,11 @@ HTTP members are not judged by this: they get the client's body as it came and a
 from __future__ import annotations
 
 from proto import GenerateRequest, SlotHeartbeat
-from proto.fleet import CAPABILITY_REASONING, CAPABILITY_STRUCTURED_OUTPUTS, CAPABILITY_TOOLS
+from proto.fleet import CAPABILITY_CHOICES, CAPABILITY_REASONING, CAPABILITY_STRUCTURED_OUTPUTS, CAPABILITY_TOOLS
 
 # the request field a missing feature is reported under (the 400's ``param``)
 FEATURE_PARAM = {CAPABILITY_TOOLS: "tools", CAPABILITY_STRUCTURED_OUTPUTS: "response_format",
-                 CAPABILITY_REASONING: "reasoning_effort"}
+                 CAPABILITY_REASONING: "reasoning_effort", CAPABILITY_CHOICES: "n"}
 
 
 def required_features(generate: GenerateRequest) -> list[str]:
@@ -30,6 +30,8 @@ def required_features(generate: GenerateRequest) -> list[str]:
         needed.append(CAPABILITY_STRUCTURED_OUTPUTS)
     if generate.reasoning_effort is not None or generate.chat_template_kwargs:
         needed.append(CAPABILITY_REASONING)
+    if generate.n > 1 or generate.echo or generate.suffix:  # an older engine answers one choice, un-echoed
+        needed.append(CAPABILITY_CHOICES)
     return needed
 
 

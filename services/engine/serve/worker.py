@@ -43,6 +43,7 @@ from proto import (
     subjects,
 )
 from proto.fleet import (
+    CAPABILITY_CHOICES,
     CAPABILITY_EMBEDDINGS,
     CAPABILITY_REASONING,
     CAPABILITY_RESPONSES,
@@ -68,7 +69,7 @@ ABORT_REPORT_TIMEOUT_S = 8.0
 # What this engine serves beyond plain chat and completions (SlotHeartbeat.capabilities: the gateway sends
 # tools and structured outputs only to members that say so)
 ENGINE_CAPABILITIES = (CAPABILITY_TOOLS, CAPABILITY_STRUCTURED_OUTPUTS, CAPABILITY_EMBEDDINGS, CAPABILITY_RESPONSES,
-                       CAPABILITY_REASONING)
+                       CAPABILITY_REASONING, CAPABILITY_CHOICES)
 
 
 @dataclass(frozen=True)

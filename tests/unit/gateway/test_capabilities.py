@@ -41,3 +41,12 @@ def test_a_thinking_budget_or_template_variables_need_reasoning() -> None:
     from services.engine.serve.worker import ENGINE_CAPABILITIES
 
     assert "reasoning" in ENGINE_CAPABILITIES  # our engine declares it
+
+
+def test_several_choices_echo_and_suffix_need_choices() -> None:
+    for extra in ({"n": 4}, {"echo": True}, {"suffix": "tail"}):
+        assert required_features(GenerateRequest(request_id="r", model="m", prompt="p", **extra)) == ["choices"]
+    assert missing_features(["choices"], _hb(["tools", "reasoning"])) == ["choices"]
+    from services.engine.serve.worker import ENGINE_CAPABILITIES
+
+    assert "choices" in ENGINE_CAPABILITIES
