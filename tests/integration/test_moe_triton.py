@@ -8,29 +8,14 @@ summation order only. Run this file in its own process (triton under the interpr
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-if "triton" in sys.modules:
-    from triton.runtime.interpreter import InterpretedFunction
+from tests.triton_interpret import import_interpreted
 
-    if not isinstance(sys.modules["triton"].language.standard.sum, InterpretedFunction):
-        raise RuntimeError("triton was imported without TRITON_INTERPRET=1; run this file in its own process")
-_previous = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton", reason="triton is not installed")
-    from services.engine.kernels import fused_moe  # noqa: F401  (imported under the interpreter)
-    from services.engine.model import triton_attention  # noqa: F401
-finally:
-    if _previous is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous
+import_interpreted("services.engine.kernels.fused_moe", "services.engine.model.triton_attention")
 
 from services.engine.errors import ModelLoadError  # noqa: E402
 from services.engine.model.loader import load_model  # noqa: E402

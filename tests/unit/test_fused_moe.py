@@ -10,33 +10,15 @@ Tolerance 1e-4: float32 throughout, only the summation order differs. Run this f
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-if "triton" in sys.modules:
-    from triton.runtime.interpreter import InterpretedFunction
+from tests.triton_interpret import import_interpreted
 
-    if not isinstance(sys.modules["triton"].language.standard.sum, InterpretedFunction):
-        raise RuntimeError("triton was imported without TRITON_INTERPRET=1; run this file in its own process")
-_previous = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton", reason="triton is not installed")
-    for _name in ("services.engine.kernels.fused_moe",):
-        if _name in sys.modules:
-            importlib.reload(sys.modules[_name])
-    from services.engine.kernels.fused_moe import ExpertWeights, fused_moe, moe_align_block_size
-finally:
-    if _previous is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous
-
+import_interpreted("services.engine.kernels.fused_moe")
+from services.engine.kernels.fused_moe import ExpertWeights, fused_moe, moe_align_block_size  # noqa: E402
 from services.engine.model.model import MoE  # noqa: E402
 from services.engine.model.model_config import MoEConfig  # noqa: E402
 from services.engine.model.quant.kernel_weight import build_expert_weights  # noqa: E402

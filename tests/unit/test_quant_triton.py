@@ -10,30 +10,12 @@ As in that module, triton must be imported with TRITON_INTERPRET=1: run this fil
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-if "triton" in sys.modules:
-    from triton.runtime.interpreter import InterpretedFunction
+from tests.triton_interpret import import_interpreted
 
-    if not isinstance(sys.modules["triton"].language.standard.sum, InterpretedFunction):
-        raise RuntimeError("triton was imported without TRITON_INTERPRET=1; run this file in its own process")
-_previous = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton", reason="triton is not installed")
-    if "services.engine.kernels.quant_gemm" in sys.modules:
-        importlib.reload(sys.modules["services.engine.kernels.quant_gemm"])
-    from services.engine.kernels import quant_gemm
-finally:
-    if _previous is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous
+(quant_gemm,) = import_interpreted("services.engine.kernels.quant_gemm")
 
 from services.engine.model.quant.formats import dequantize, unpack_int32  # noqa: E402
 from services.engine.model.quant.scheme import WeightFormat, WeightScheme  # noqa: E402

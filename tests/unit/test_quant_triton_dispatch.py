@@ -12,31 +12,14 @@ file in its own process.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-if "triton" in sys.modules:
-    from triton.runtime.interpreter import InterpretedFunction
+from tests.triton_interpret import import_interpreted
 
-    if not isinstance(sys.modules["triton"].language.standard.sum, InterpretedFunction):
-        raise RuntimeError("triton was imported without TRITON_INTERPRET=1; run this file in its own process")
-_previous = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton", reason="triton is not installed")
-    if "services.engine.kernels.quant_gemm" in sys.modules:
-        importlib.reload(sys.modules["services.engine.kernels.quant_gemm"])
-    from services.engine.kernels import quant_gemm  # noqa: F401  (imported under the interpreter)
-finally:
-    if _previous is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous
+import_interpreted("services.engine.kernels.quant_gemm")
 
 from services.engine.kernels.backend import select_backend  # noqa: E402
 from services.engine.model.loader import load_model  # noqa: E402

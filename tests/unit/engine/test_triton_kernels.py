@@ -24,12 +24,10 @@ flash attention does; the torch path keeps them in float32), 1 ulp-ish for the e
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
+
+from tests.triton_interpret import import_interpreted
 
 _KERNEL_MODULES = (
     "services.engine.kernels.rms_norm",
@@ -42,39 +40,7 @@ _KERNEL_MODULES = (
 )
 
 
-def _import_interpreted() -> None:
-    """Import triton and the kernel modules with TRITON_INTERPRET=1, then restore the environment so the rest
-    of the session does not inherit it; the ``_interpreting`` fixture sets it again around each test here.
-
-    triton's own library functions (``tl.sum``, ``tl.max`` …) are ``@triton.jit`` functions too, decorated
-    when triton is imported: a triton imported earlier without the variable cannot be interpreted, and
-    reloading it is not safe, so that case stops here with the reason instead of failing every test.
-    """
-    if "triton" in sys.modules:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(sys.modules["triton"].language.standard.sum, InterpretedFunction):
-            raise RuntimeError(
-                "triton was imported before this test module without TRITON_INTERPRET=1; run "
-                "tests/unit/engine/test_triton_kernels.py in its own process (or set TRITON_INTERPRET=1)"
-            )
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pytest.importorskip("triton", reason="triton is not installed (pyproject installs it on Linux x86_64 only)")
-        for name in _KERNEL_MODULES:
-            if name in sys.modules:
-                importlib.reload(sys.modules[name])
-            else:
-                importlib.import_module(name)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-_import_interpreted()
+import_interpreted(*_KERNEL_MODULES)
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
