@@ -489,6 +489,9 @@ def main() -> None:
     ap.add_argument("--max-in-flight", type=int, default=None,
                     help="the gateways' --max-in-flight (open requests per worker before an immediate 503; default: "
                          "the gateway's own). The open-loop client holds at most 512 connections")
+    ap.add_argument("--max-loop-lag", type=float, default=None, metavar="SECONDS",
+                    help="the gateways' --max-loop-lag (event-loop lag, sustained, before an immediate 503; default: "
+                         "the gateway's own)")
     ap.add_argument("--workers", default=None,
                     help="gateway worker counts to measure, one gateway at a time (default: 1 and one per core, "
                          "as llmgw gateway --workers defaults to)")
@@ -603,7 +606,9 @@ def main() -> None:
                                                   "--config", str(pools), "--data-dir", str(work / "gw-data"),
                                                   "--workers", str(workers),
                                                   *(["--max-in-flight", str(args.max_in_flight)]
-                                                    if args.max_in_flight else [])], work)
+                                                    if args.max_in_flight else []),
+                                                  *(["--max-loop-lag", str(args.max_loop_lag)]
+                                                    if args.max_loop_lag else [])], work)
                 procs.append(gw)
                 if gw_key is None:  # everything on: the gateway checks this API key on every request (printed
                     # once, before the ready line, at the first start)
