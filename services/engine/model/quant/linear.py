@@ -14,15 +14,22 @@ Two independent parts, both optional:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from services.engine.model.quant.formats import dequantize
 from services.engine.model.quant.scheme import WeightScheme
 
-if TYPE_CHECKING:
-    from services.engine.model.quant.kernel_weight import KernelWeight
+
+class InTileKernel(Protocol):
+    """What the model needs of a layer's in-tile form (kernel_weight.py ``KernelWeight``; a protocol here so
+    this module, which that one builds on, does not import it back)."""
+
+    @property
+    def num_bytes(self) -> int: ...
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
 
 FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # vLLM's scaled_fp8_quant floors the scale so an all-zero row does not divide by zero.
@@ -50,7 +57,7 @@ class PackedPart:
 class QuantizedLinear:
     act_group: int | None = None
     parts: tuple[PackedPart, ...] | None = None  # concatenated along the output dimension (fused q/k/v, gate/up)
-    kernel: KernelWeight | None = None  # the triton backend's in-tile form of ``parts`` (which it replaces)
+    kernel: InTileKernel | None = None  # the triton backend's in-tile form of ``parts`` (which it replaces)
 
     def weight(self, dense: torch.Tensor) -> torch.Tensor:
         """The weight to multiply by: ``dense`` itself, or the stored parts dequantised now, in its dtype."""
