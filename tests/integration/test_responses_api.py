@@ -132,7 +132,9 @@ async def forced_calls_and_a_round_trip(c: openai.AsyncOpenAI) -> None:
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
                           "response.completed"]
-    assert len(deltas) > 1 and "".join(deltas) == call.arguments  # piece by piece, as generated
+    # as generated: how many pieces depends on how many tokens the engine coalesced into one chunk (a loaded
+    # machine gives one); the parser's incremental output at every split is the unit tests'
+    assert len(deltas) >= 1 and "".join(deltas) == call.arguments
     assert events[-3].arguments == call.arguments and events[-3].name == call.name
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
