@@ -40,7 +40,7 @@ from services.common.runtime import (
 )
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
-from services.engine.errors import EngineError
+from services.engine.errors import CoreLostError, EngineError
 from services.engine.kernels.backend import BackendUnavailableError, select_backend
 from services.engine.model.artifact import materialize
 from services.engine.model.loader import QUANT_DEQUANT_MODES
@@ -266,20 +266,33 @@ async def run(args: argparse.Namespace) -> None:
         service = EngineService(engine, meter, serve_config, worker_id=worker_config.worker_id)
         stack.callback(meter.close)
         stack.callback(service.save_metrics_state)  # at shutdown, after requests stopped
-        async with asyncio.TaskGroup() as tasks:
-            url = await stack.enter_async_context(http_site(service))
-            where = f"listening on {url} (model {core.model_id})"
-            if nats_url:
-                nc = await connect(nats_url, f"engine:{worker_config.worker_id}")
-                stack.push_async_callback(drain_quietly, nc)
-                await ensure_bus(nc)
-                service.nc = nc
-                worker = BusWorker(nc, engine, worker_config)
-                tasks.create_task(worker.run())
-                where += f"; bus worker {worker_config.worker_id} on {subjects.gen(worker_config.worker_id)}"
-            tasks.create_task(service.energy_loop())
-            tasks.create_task(service.metrics_state_loop())
-            announce("engine", where)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                url = await stack.enter_async_context(http_site(service))
+                where = f"listening on {url} (model {core.model_id})"
+                if nats_url:
+                    nc = await connect(nats_url, f"engine:{worker_config.worker_id}")
+                    stack.push_async_callback(drain_quietly, nc)
+                    await ensure_bus(nc)
+                    service.nc = nc
+                    worker = BusWorker(nc, engine, worker_config)
+                    tasks.create_task(worker.run())
+                    where += f"; bus worker {worker_config.worker_id} on {subjects.gen(worker_config.worker_id)}"
+                tasks.create_task(_stop_when_core_lost(engine))
+                tasks.create_task(service.energy_loop())
+                tasks.create_task(service.metrics_state_loop())
+                announce("engine", where)
+        except ExceptionGroup as group:  # core lost: one line and a non-zero exit, the supervisor starts us again
+            lost = group.subgroup(CoreLostError)
+            if lost is None:
+                raise
+            raise lost.exceptions[0] from None
+
+
+async def _stop_when_core_lost(engine: EngineHandle) -> None:
+    """An engine whose core process died serves nothing: stop (requests in flight have ended with
+    ``abort``, new ones got 503) rather than keep heartbeating \"ready\" with no core behind it."""
+    raise await engine.core_lost()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ messages::
     │   └── UnsupportedArchitectureError   config.json names a model family we do not implement
     ├── SpeculativeDecodingError      the speculative-decoding settings cannot be served (``reason``)
     ├── DeadlineExceededError         the request's ``deadline_s`` passed before it produced anything
+    ├── CoreLostError                 the engine core's process exited: nothing can be served any more
     └── ChatTemplateError (ValueError) the chat template failed to render for these messages
 
 Errors that are programming mistakes inside the engine (a block table shorter than its sequence, say)
@@ -152,3 +153,18 @@ class UnsupportedParameterError(EngineError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+class CoreLostError(EngineError):
+    """The engine core's process exited (a crash, the OOM killer): requests get 503 at once, and the
+    service stops so its supervisor (systemd, compose, ``llmgw up``) starts it again. ``exit_code`` is the
+    process's exit code (negative: the signal that killed it), None when not known yet."""
+
+    def __init__(self, pid: int | None, exit_code: int | None) -> None:
+        if exit_code is None:
+            how = "exit code unknown"
+        else:
+            how = f"killed by signal {-exit_code}" if exit_code < 0 else f"exit code {exit_code}"
+        super().__init__(f"the engine core process {pid} exited ({how})")
+        self.pid = pid
+        self.exit_code = exit_code

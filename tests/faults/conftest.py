@@ -224,10 +224,17 @@ def gateway_proc(nats_url: str, data_dir: Path, config: Path | None = None) -> P
 
 @contextlib.contextmanager
 def procs() -> Iterator[list[Proc]]:
-    """Every process a test started is killed at the end, whatever happened."""
+    """Every process a test started is killed at the end, whatever happened; when the test failed, each
+    one's last output lines are printed (a CI log then says what the engine saw)."""
     started: list[Proc] = []
     try:
         yield started
+    except BaseException:
+        for p in started:
+            exited = p.followed.proc.poll() if p.followed is not None else None
+            tail = "\n".join(p.output.splitlines()[-40:])
+            print(f"\n--- {' '.join(p.argv[1:4])} (exit {exited}) last output:\n{tail}")
+        raise
     finally:
         for p in started:
             p.kill()

@@ -180,3 +180,43 @@ async def test_an_idle_engine_killed_is_shown_stale_within_two_heartbeat_interva
           f" heartbeat_age_s={seen['heartbeat_age_s']:.2f} down={seen['down']} bound_s={bound_s}")
     assert stale_s <= bound_s, (stale_s, seen)
     assert seen["stale"] and not seen["down"]  # nothing was sent to it: staleness, not a failed request, told
+
+
+@pytest.mark.slow
+async def test_an_engine_whose_core_process_dies_stops_with_one_line_and_its_requests_go_elsewhere(
+        nats_server, tiny_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The OOM killer takes the engine's core process (the child that holds the model), not the API process:
+    that engine must not stay on the bus heartbeating "ready" with nothing behind it (a CI run saw the
+    gateway wait out its first-chunk deadline on such an engine and answer 503). It stops with one line
+    naming the signal and a non-zero exit (systemd, compose and ``llmgw up`` start it again); a request in
+    that moment gets an answer from the other engine, none waits out a deadline."""
+    import os
+    import re
+    import signal
+
+    with procs() as started:
+        engines = {w: engine_proc(tiny_model, nats_server.url, w, tmp_path / w, *ENGINE_FLAGS) for w in ("e1", "e2")}
+        started += engines.values()
+        await asyncio.gather(*(e.start() for e in engines.values()))
+        async with gateway_in_process(nats_server.url, tmp_path / "gw", stale_after_s=STALE_AFTER_S) as g, \
+                aiohttp.ClientSession() as http:
+            gw = g.gateway
+            await wait_until(lambda: _routable(gw, "e1") and _routable(gw, "e2"), 20, what="both engines up")
+            url = g.url + "/v1/chat/completions"
+            found = re.search(r"core in process (\d+)", engines["e1"].output)
+            assert found, engines["e1"].output
+            core_pid = int(found.group(1))
+            os.kill(core_pid, signal.SIGKILL)
+            results = await asyncio.gather(*(post(http, url, chat_body(4, False, f"after {i}"), g.auth, timeout_s=30)
+                                             for i in range(6)))
+            victim = engines["e1"].followed
+            assert victim is not None
+            code = await asyncio.to_thread(victim.proc.wait, 30)
+    assert [r.status for r in results] == [200] * 6, [(r.status, r.body) for r in results]
+    slowest = max(r.elapsed_s for r in results)
+    assert slowest < 4.0, slowest  # well inside the 5 s first-chunk deadline nobody had to wait out
+    assert code == 2, engines["e1"].output[-3000:]
+    line = f"llmgw engine: the engine core process {core_pid} exited (killed by signal 9)"
+    assert line in engines["e1"].output, engines["e1"].output[-2000:]
+    assert "Traceback" not in engines["e1"].output
+    print(f"\nFIGURES core-lost: requests_after_kill=6 ok=6 slowest_s={slowest:.2f} engine_exit={code}")

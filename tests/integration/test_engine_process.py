@@ -12,7 +12,7 @@ import pytest
 from services.engine.config import EngineConfig
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.engine_core import EngineCore
-from services.engine.errors import ModelLoadError, QueueFullError, SpeculativeDecodingError
+from services.engine.errors import CoreLostError, ModelLoadError, QueueFullError, SpeculativeDecodingError
 from services.engine.serve.async_engine import AsyncEngine
 from services.engine.serve.process_engine import ProcessEngine
 from services.engine.spec.spec_decode import SpecConfig
@@ -91,8 +91,11 @@ async def test_a_dead_child_ends_every_open_stream_and_marks_the_engine_failed(t
                 os.kill(engine.pid, signal.SIGKILL)
         assert outputs[-1].finish_reason == "abort"
         assert engine.step_error is not None and "exited" in str(engine.step_error)
-        with pytest.raises(RuntimeError, match="gone"):
+        with pytest.raises(CoreLostError, match="exited"):
             await engine.add_request("after", [5], SamplingParams(max_tokens=2))
+        lost = await asyncio.wait_for(engine.core_lost(), 10)  # what stops the service (engine __main__)
+        assert isinstance(lost, CoreLostError) and lost.exit_code == -signal.SIGKILL
+        assert "killed by signal 9" in str(lost)
 
 
 def test_the_cpu_child_starts_with_short_openmp_spins_unless_the_operator_chose(monkeypatch: pytest.MonkeyPatch,

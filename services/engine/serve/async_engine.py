@@ -167,8 +167,16 @@ def run_step_loop(core: EngineCore, clock: Callable[[], float], next_command: Ca
                     on_added(cmd.request_id, exc)
             elif isinstance(cmd, EmbedCommand):
                 on_embedded(cmd.request_id, embed_now(core, cmd, clock()))
-            elif (output := core.abort(cmd.request_id, clock())) is not None:
-                outputs.append(output)
+            else:
+                try:
+                    output = core.abort(cmd.request_id, clock())
+                except Exception as exc:  # a bug: fail every request rather than lose the core
+                    log.exception("aborting %s failed; aborting all requests", cmd.request_id)
+                    on_step_error(exc)
+                    output = None
+                    outputs += [o for rid in core.unfinished_request_ids() if (o := core.abort(rid, clock()))]
+                if output is not None:
+                    outputs.append(output)
         if core.has_unfinished_requests():
             try:
                 outputs += core.step(clock)
@@ -318,6 +326,12 @@ class EngineHandle:
 
     def abort(self, request_id: str) -> None:
         raise NotImplementedError
+
+    async def core_lost(self) -> BaseException:
+        """Returns (the error) when the core can serve nothing any more; the service then stops so that
+        its supervisor starts it again. A core on a thread of this process is never lost alone."""
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
 
     def _deliver(self, outputs: list[RequestOutput], changed: bool) -> None:
         if outputs:

@@ -17,6 +17,7 @@ from services.common.tool_calls import HERMES, LLAMA3_JSON
 from services.engine.core.sampling_params import SamplingParams, StructuredOutput, ThinkingParams
 from services.engine.errors import (
     ContextLengthExceededError,
+    CoreLostError,
     DeadlineExceededError,
     EngineError,
     InvalidParameterError,
@@ -171,6 +172,9 @@ def error_info(exc: BaseException) -> ErrorInfo:
                          param=exc.field, status=400)
     if isinstance(exc, DeadlineExceededError):
         return ErrorInfo(message=exc.message, type="timeout_error", code="deadline_exceeded", status=504)
+    if isinstance(exc, CoreLostError):
+        return ErrorInfo(message=f"{exc.message}; the engine is restarting", type="service_unavailable",
+                         code="engine_unavailable", status=503, retry_after_s=5)
     if isinstance(exc, EngineError):
         return ErrorInfo(message=exc.message, type="invalid_request_error", status=400)
     return ErrorInfo(message="internal engine error", type="server_error", status=500)

@@ -26,6 +26,7 @@ from typing import Any
 from services.common.runtime import setup_logging
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
+from services.engine.errors import CoreLostError
 from services.engine.model.tokenizer import Tokenizer
 from services.engine.outputs import EngineSnapshot, RequestOutput
 from services.engine.serve.async_engine import (
@@ -141,7 +142,10 @@ def _merge_steps(batch: list[object]) -> list[object]:
 
 def _child_main(config: EngineConfig, conn: Connection) -> None:
     """The engine process: build the core, say ready (or why not), then step until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us through the pipe
+    # Ctrl-C and a SIGTERM sent to the whole process group (systemd, a terminal, compose) are the parent's: it
+    # stops us through the pipe, after its requests ended; a child killed first would read as a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging()
     try:
         core = EngineCore(config)
@@ -226,11 +230,13 @@ class ProcessEngine(EngineHandle):
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands: _PipeWriter | None = None
         self._gone = False  # the child's end of the pipe closed
+        self._lost: asyncio.Future[CoreLostError] | None = None  # set when the child is gone
         self._adds: dict[str, asyncio.Future[None]] = {}
         self._embeds: dict[str, asyncio.Future[list[bytes]]] = {}
 
     async def __aenter__(self) -> ProcessEngine:
         self._loop = asyncio.get_running_loop()
+        self._lost = self._loop.create_future()
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
         self._process = ctx.Process(target=_child_main, args=(self.config, child), name="ninfer-engine-core",
@@ -295,7 +301,7 @@ class ProcessEngine(EngineHandle):
 
     async def _submit(self, add: AddCommand) -> None:
         if self._gone:  # (the process may not be reaped yet: its pipe closing is what says it is gone)
-            raise RuntimeError(f"the engine process is gone: {self.step_error}")
+            raise self._lost_error()
         assert self._loop is not None
         done: asyncio.Future[None] = self._loop.create_future()
         self._adds[add.request_id] = done
@@ -305,7 +311,7 @@ class ProcessEngine(EngineHandle):
 
     async def embed(self, request_id: str, inputs: Sequence[Sequence[int]]) -> list[bytes]:
         if self._gone:
-            raise RuntimeError(f"the engine process is gone: {self.step_error}")
+            raise self._lost_error()
         assert self._loop is not None and self._commands is not None
         done: asyncio.Future[list[bytes]] = self._loop.create_future()
         self._embeds[request_id] = done
@@ -342,22 +348,37 @@ class ProcessEngine(EngineHandle):
         elif isinstance(msg, _Failed):
             self.step_error = msg.error
 
+    def _lost_error(self) -> CoreLostError:
+        process = self._process
+        return CoreLostError(process.pid if process is not None else None,
+                             process.exitcode if process is not None else None)
+
+    async def core_lost(self) -> BaseException:
+        assert self._lost is not None, "the engine has not started"
+        lost = await self._lost
+        if self._process is not None:  # reaped, so the error can say how it ended (a signal: the OOM killer?)
+            await asyncio.to_thread(self._process.join, 5)
+        del lost
+        return self._lost_error()
+
     def _child_gone(self) -> None:
         assert self._loop is not None and self._conn is not None
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._conn.fileno())
         self._gone = True
-        pid = self._process.pid if self._process is not None else None
-        log.error("the engine process %s exited; failing its requests", pid)
-        self.step_error = self.step_error or RuntimeError(f"the engine process {pid} exited")
+        lost = self._lost_error()
+        log.error("%s; failing its requests", lost.message)
+        self.step_error = self.step_error or lost
         for done in self._adds.values():
             if not done.done():
-                done.set_exception(RuntimeError("the engine process is gone"))
+                done.set_exception(lost)
         self._adds.clear()
         for waiting in self._embeds.values():
             if not waiting.done():
-                waiting.set_exception(RuntimeError("the engine process is gone"))
+                waiting.set_exception(lost)
         self._embeds.clear()
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(lost)
         aborted = [RequestOutput(rid, "", (), "abort", 0, 0, 0) for rid, s in self._streams.items() if not s.finished]
         self._deliver(aborted, True)
 

@@ -250,7 +250,9 @@ class BusWorker:
                 raise DeadlineExceededError(req.deadline_s, now_s, "before admission")
             prompt_ids, choice_params = prepare_choices(self.engine.core, req)
             choices = await admit_first(self.engine, req.request_id, prompt_ids, choice_params, req.gateway_id)
-        except (EngineError, ValueError) as exc:
+        except Exception as exc:  # an answer, always: a gateway left waiting would wait out its first-chunk deadline
+            if not isinstance(exc, EngineError | ValueError):
+                log.exception("admitting %s failed", req.request_id)
             await self._reply(inbox, TokenChunk(request_id=req.request_id, index=0, finish_reason="error",
                                                 error=error_info(exc), worker_id=self.config.worker_id))
             return
