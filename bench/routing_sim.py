@@ -567,7 +567,8 @@ class Ours(Policy):
                 routed_total=rec.routed_total, admitted=self.fleet.admitted(wid), in_flight=rec.in_flight,
                 pending_prefill_chars=rec.pending_prefill_chars, chars_per_token=rec.chars_per_token,
                 routed_since_heartbeat=self.fleet.unseen(wid), mean_service_s=rec.mean_service_s,
-                joules_per_output_token=rec.joules_per_output_token, peer_unseen=self.fleet.peer_unseen(wid),
+                joules_per_output_token=rec.joules_per_output_token, joules_per_step=rec.joules_per_step,
+                peer_unseen=self.fleet.peer_unseen(wid),
             ))
         request = RouteRequest(session_key=r.session_key, is_session_header=r.chat is not None,
                                prefix_keys=prefix_hashes(r.messages), prompt_tokens=r.prompt_tokens)
@@ -624,12 +625,12 @@ class Ours(Policy):
 
 
 class OursEnergy(Ours):
-    """``ours`` with the energy tie-break on (energy_margin 0.05; the default is off): compare with --busy-watts."""
+    """``ours`` with the energy tie-break on (energy_margin 0.2; the default is off): compare with --busy-watts."""
 
     name = "ours_energy"
 
     def __init__(self, engines: list[Engine], rng: random.Random, gateway: str = GATEWAY_ID) -> None:
-        super().__init__(engines, rng, PoolPolicy(energy_margin=0.05), gateway)
+        super().__init__(engines, rng, PoolPolicy(energy_margin=0.2), gateway)
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -52,6 +52,12 @@ class MemberRecord:
     mean_service_s: float | None = None  # routed -> finished, an average over recent requests
     joules_per_output_token: float | None = None  # from the member's EnergySamples (note_energy)
     energy_mark: tuple[str, float, dict[str, int]] | None = None  # last sample: (session, ts, device -> mJ)
+    # joules per output token at a batch of one: J/output-token times the mean running sequences over the same
+    # interval, i.e. the energy of one decode step (note_energy). J/output-token itself mostly measures batch size
+    # (one sequence per step costs ~6x the energy per token of eight), so it cannot compare members' hardware.
+    joules_per_step: float | None = None
+    running_area: float = 0.0  # running sequences x seconds since the last energy sample (heartbeats' running)
+    running_at: tuple[float, int] | None = None  # (ts, running) of the newest heartbeat
 
 
 @dataclass
@@ -79,6 +85,8 @@ class Fleet:
             rec.breaker.reset()
         rec.heartbeat = hb
         rec.received_s = now_s
+        self._integrate_running(rec, hb.ts_s)
+        rec.running_at = (hb.ts_s, hb.running) if hb.running is not None else None  # unknown: no per-step figure
         # what the heartbeat describes: the moment it was taken (its ts), or when it came if its clock runs ahead
         taken_s = min(hb.ts_s, now_s)
         while rec.route_times and rec.route_times[0] <= taken_s:
@@ -184,6 +192,8 @@ class Fleet:
         rec = self.record(sample.worker_id)
         counters = {r.device_id: r.energy_mj for r in sample.readings if r.energy_mj is not None}
         mark, rec.energy_mark = rec.energy_mark, (sample.session_id, sample.ts_s, counters)
+        self._integrate_running(rec, sample.ts_s)
+        area, rec.running_area = rec.running_area, 0.0
         tokens = sum(t.output_tokens for t in sample.request_tokens)
         if mark is None or mark[0] != sample.session_id or sample.ts_s <= mark[1] or tokens <= 0 or not counters:
             return
@@ -192,6 +202,18 @@ class Fleet:
         jpt = sum(counters[d] - mark[2][d] for d in counters) / 1000.0 / tokens
         rec.joules_per_output_token = jpt if rec.joules_per_output_token is None else (
             (1 - ENERGY_ALPHA) * rec.joules_per_output_token + ENERGY_ALPHA * jpt)
+        mean_running = area / (sample.ts_s - mark[1])
+        if mean_running > 0:  # no heartbeat said anything ran: the interval cannot be normalised
+            jps = jpt * mean_running
+            rec.joules_per_step = jps if rec.joules_per_step is None else (
+                (1 - ENERGY_ALPHA) * rec.joules_per_step + ENERGY_ALPHA * jps)
+
+    @staticmethod
+    def _integrate_running(rec: MemberRecord, ts_s: float) -> None:
+        """Add the newest heartbeat's running count, held from its moment to ``ts_s``, to ``running_area``."""
+        if rec.running_at is not None and ts_s > rec.running_at[0]:
+            rec.running_area += rec.running_at[1] * (ts_s - rec.running_at[0])
+            rec.running_at = (ts_s, rec.running_at[1])
 
     def attempt(self, member_id: str, now_s: float) -> None:
         """A request goes to the member (a half-open breaker's probe)."""

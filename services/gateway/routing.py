@@ -60,6 +60,9 @@ CAPACITY_BIAS_SCALE = 10.0
 # J/output-token a few per cent apart by batch size alone, and chasing that concentrates load (bench/routing_sim.py
 # with equal watts: shared@0.95 p90 3.9 -> 4.3 s without the floor, a --quick run)
 ENERGY_MIN_GAIN = 0.10
+# ... and only to a member at most this loaded: past it, the requests it draws queue behind each other (the
+# simulator's heterogeneous pool: shared @ 0.8 p90 322 -> 612 ms at margin 0.2 without this bound)
+ENERGY_MAX_LOAD = 0.5
 
 _NOT_ROUTABLE = frozenset({"down", "stopped", "draining"})
 
@@ -100,9 +103,9 @@ class PoolPolicy:
     prefill_weight: float = 0.5
     api_key_sticky: float = 0.0
     max_pool_share: float = 0.0
-    # off by default: bench/routing_sim.py's heterogeneous pool (300/300/200/200 W) measured no energy gain from it
-    # (J/output-token within ±1.1 %) and p90 -18 to +9 % by cell (shared@0.8 414 -> 452 ms): a member's measured
-    # J/output-token follows its batch size far more than its hardware (docs/routing.md §3, "Energy tie-break")
+    # off by default: bench/routing_sim.py's heterogeneous pool (300/300/200/200 W, margin 0.2) saves 0.7-4.0 % of the
+    # energy per output token at load 0.5 and nothing at 0.8/0.95, with p90 from -8 to +49 % by cell (shared@0.5
+    # 49 -> 73 ms): an operator trades that latency for energy knowingly (docs/routing.md §3, "Energy tie-break")
     energy_margin: float = 0.0
 
     def __post_init__(self) -> None:
@@ -146,6 +149,8 @@ class MemberState:
     mean_service_s: float | None = None
     # measured energy per output token on this member (its EnergySamples, fleet.py ``note_energy``)
     joules_per_output_token: float | None = None
+    # the same at a batch of one (the energy of one decode step): what the energy tie-break compares
+    joules_per_step: float | None = None
 
     def tokens(self, chars: int) -> float:
         """Prompt characters as this member's tokens."""
@@ -192,6 +197,7 @@ class Candidate:
     wait_s: float | None = None  # expected wait for a lane at a prefix holder (§3, "Bounded wait")
     saved_s: float | None = None  # the prefill its cached prefix saves
     joules_per_output_token: float | None = None
+    joules_per_step: float | None = None
     age_s: float | None = None
     is_stale: bool = False
     is_busy: bool = False
@@ -341,7 +347,8 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
             affinity_depth=hit.depth if hit else 0, affinity_chars=hit.prefix_chars if hit else 0,
             affinity_saving=saving, affinity_guarded=guarded, pin=pin,
             backlog=backlog, pending_prefill=prefill, wait_s=wait_s, saved_s=saved_s,
-            joules_per_output_token=m.joules_per_output_token, age_s=age_s, is_stale=stale[mid], is_busy=is_busy,
+            joules_per_output_token=m.joules_per_output_token, joules_per_step=m.joules_per_step, age_s=age_s,
+            is_stale=stale[mid], is_busy=is_busy,
         )
     _weighted_split(policy, [m for m in eligible if m.member_id in lanes_of], lanes_of, sheets)
     if policy.max_pool_share > 0 and pinned is None and not hits:
@@ -428,20 +435,21 @@ def _prefill_saved_s(m: MemberState, matched_chars: int) -> float | None:
 
 def _energy_tiebreak(margin: float, ranked: Sequence[Candidate]) -> Candidate | None:
     """§3 "Energy tie-break": the non-busy member, within ``margin`` of the cheapest's cost, with the lowest
-    measured J/output-token, when that is :data:`ENERGY_MIN_GAIN` lower than the cheapest's own; None: the
-    cheapest stays. Only members
-    with a measured figure compete (an unmeasured one is never assumed efficient)."""
-    if margin <= 0 or len(ranked) < 2 or ranked[0].is_busy or ranked[0].joules_per_output_token is None:
+    measured energy per decode step (J/output-token at a batch of one, fleet.py ``note_energy``), when that is
+    :data:`ENERGY_MIN_GAIN` lower than the cheapest's own; None: the cheapest stays. Only members with a
+    measured figure compete (an unmeasured one is never assumed efficient)."""
+    if margin <= 0 or len(ranked) < 2 or ranked[0].is_busy or ranked[0].joules_per_step is None:
         return None
     best = ranked[0]
     assert best.cost is not None
     greener = min((c for c in ranked[1:] if not c.is_busy and c.cost is not None and c.cost <= best.cost + margin
-                   and not c.over_pool_share and c.joules_per_output_token is not None),
-                  key=lambda c: c.joules_per_output_token or 0.0, default=None)
-    if greener is None or greener.joules_per_output_token is None:
+                   and c.load < ENERGY_MAX_LOAD and c.affinity_saving >= best.affinity_saving
+                   and not c.over_pool_share and c.joules_per_step is not None),
+                  key=lambda c: c.joules_per_step or 0.0, default=None)
+    if greener is None or greener.joules_per_step is None:
         return None
-    assert best.joules_per_output_token is not None
-    return greener if greener.joules_per_output_token < (1 - ENERGY_MIN_GAIN) * best.joules_per_output_token else None
+    assert best.joules_per_step is not None
+    return greener if greener.joules_per_step < (1 - ENERGY_MIN_GAIN) * best.joules_per_step else None
 
 
 def _free_lanes(m: MemberState, basis: Basis, booked: int, weights: RoutingWeights

@@ -209,6 +209,7 @@ class Router:
                 recent_routes=routes.recent.get(ref.member_id, 0.0), routes_today=today[ref.member_id],
                 chars_per_token=rec.chars_per_token, routed_since_heartbeat=fleet.unseen(ref.member_id),
                 mean_service_s=rec.mean_service_s, joules_per_output_token=rec.joules_per_output_token,
+                joules_per_step=rec.joules_per_step,
                 peer_unseen=fleet.peer_unseen(ref.member_id),
             ))
         return out
@@ -256,6 +257,7 @@ class Router:
             "chars_per_token": round(rec.chars_per_token, 3) if rec.chars_per_token else None,
             "mean_service_s": round(rec.mean_service_s, 3) if rec.mean_service_s is not None else None,
             "joules_per_output_token": rec.joules_per_output_token,
+            "joules_per_step": rec.joules_per_step,
             "breaker": rec.breaker.describe(now_s),
             "breaker_state": STATE_CODE[rec.breaker.state(now_s)],
         }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from proto import EnergyReading, EnergySample, RequestTokens, RouteNote, RouteNotes, SlotHeartbeat
@@ -177,9 +178,31 @@ def test_fleet_learns_joules_per_output_token_from_consecutive_energy_samples() 
     assert fleet.record("g").joules_per_output_token == pytest.approx(0.8 * 3.0 + 0.2 * 2.0)
 
 
+def test_joules_per_step_takes_out_the_batch_size_the_heartbeats_saw() -> None:
+    """Two members on equal hardware, one at batch 8 and one at batch 1: J/output-token differs ~8x (the
+    batch), J per step (J/token x mean running) is the same; a member at 2/3 the power shows 2/3 of it."""
+    def run(wid: str, running: int, joules_per_step: float) -> float | None:
+        fleet = Fleet("gw")
+        fleet.observe(hb(wid, running=running, ts_s=10.0), now_s=10.0)
+        steps = 100  # one second: 100 steps of `running` sequences
+        sample = _sample(1, 10.0, 0, 0)
+        fleet.note_energy(msgspec.structs.replace(sample, worker_id=wid))
+        fleet.observe(hb(wid, running=running, ts_s=10.5, seq=2), now_s=10.5)
+        mj = int(steps * joules_per_step * 1000)
+        fleet.note_energy(msgspec.structs.replace(_sample(2, 11.0, mj, steps * running), worker_id=wid))
+        return fleet.record(wid).joules_per_step
+    assert run("big-batch", 8, 3.0) == pytest.approx(3.0)
+    assert run("one", 1, 3.0) == pytest.approx(3.0)
+    assert run("greener", 8, 2.0) == pytest.approx(2.0)
+    idle = Fleet("gw")  # no heartbeat said anything ran: J/token is learnt, J per step is not guessed
+    idle.note_energy(_sample(1, 10.0, 0, 0))
+    idle.note_energy(_sample(2, 11.0, 300_000, 100))
+    assert idle.record("g").joules_per_output_token == pytest.approx(3.0) and idle.record("g").joules_per_step is None
+
+
 def test_among_members_within_the_margin_the_more_efficient_one_wins() -> None:
-    a = member(hb("a", running=1), joules_per_output_token=3.0)
-    b = member(hb("b", running=1), joules_per_output_token=2.0, in_flight=1)  # later in the old order
+    a = member(hb("a", running=1), joules_per_step=3.0)
+    b = member(hb("b", running=1), joules_per_step=2.0, in_flight=1)  # later in the old order
     policy = dataclasses.replace(PLAIN, energy_margin=0.05)
     p = pick(policy, W, [a, b], RouteRequest(), None, None, NOW)
     assert (sheet(p, "a").cost, sheet(p, "b").cost) == (pytest.approx(0.75 / 8), pytest.approx(0.75 / 8))
@@ -189,13 +212,23 @@ def test_among_members_within_the_margin_the_more_efficient_one_wins() -> None:
 
 def test_energy_never_outweighs_more_than_the_margin_nor_a_small_difference() -> None:
     policy = dataclasses.replace(PLAIN, energy_margin=0.05)
-    idle = member(hb("idle"), joules_per_output_token=3.0)
-    busier = member(hb("busier", running=1), joules_per_output_token=1.0)  # 0.094 more: beyond the margin
+    idle = member(hb("idle"), joules_per_step=3.0)
+    busier = member(hb("busier", running=1), joules_per_step=1.0)  # 0.094 more: beyond the margin
     assert pick(policy, W, [idle, busier], RouteRequest(), None, None, NOW).member_id == "idle"
-    # within 10 % (2.8 vs 3.0 J): batch-size noise on equal hardware, not a reason to move ("z" sorts after "idle")
-    close = member(hb("z"), joules_per_output_token=2.8)
+    # within 10 % (2.8 vs 3.0 J per step): measurement noise on equal hardware, not a reason to move
+    # ("z" sorts after "idle")
+    close = member(hb("z"), joules_per_step=2.8)
     p = pick(policy, W, [idle, close], RouteRequest(), None, None, NOW)
     assert p.member_id == "idle" and p.energy_over is None
+
+
+def test_the_tie_break_does_not_pile_onto_a_loaded_member() -> None:
+    policy = dataclasses.replace(PLAIN, energy_margin=0.5)
+    a = member(hb("a", running=1), joules_per_step=3.0)
+    loaded = member(hb("b", running=7), joules_per_step=1.0)  # within the margin, but its load is past 0.5
+    assert pick(policy, W, [a, loaded], RouteRequest(), None, None, NOW).member_id == "a"
+    greener = member(hb("b", running=1), joules_per_step=1.0, in_flight=1)
+    assert pick(policy, W, [a, greener], RouteRequest(), None, None, NOW).member_id == "b"
 
 
 # --- many gateways ----------------------------------------------------------------------------------------
