@@ -118,6 +118,7 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
     act_groups: dict[tuple[int, str], set[int | None]] = {}
     parts: dict[tuple[int, str], list[PackedPart]] = {}
     expert_parts: dict[tuple[int, str], dict[tuple[int, int], PackedPart]] = {}
+    expert_acts: dict[tuple[int, str], set[int | None]] = {}  # (layer, routed | shared) -> activation schemes
     with ExitStack() as stack:
         handles: dict[str, object] = {}
 
@@ -137,18 +138,22 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
             shape = cast(tuple[int, int], expected.pop(name))
             is_routed = ".experts." in module
             is_expert = is_routed or ".shared_expert." in module
-            if is_expert and scheme.act_dynamic_fp8 is not None:
-                raise ModelLoadError(str(root), f"{module}: quantized expert weights with activation quantisation "
-                                                "(W8A8 experts) are not supported yet")
+            if is_expert:
+                expert_acts.setdefault((int(module.split(".")[2]), "routed" if is_routed else "shared"),
+                                       set()).add(scheme.act_dynamic_fp8)
+            if is_routed and scheme.act_dynamic_fp8 is not None:
+                # W8A8 experts: the fused-MoE kernel has no FP8-activation path, so they are dequantised at load
+                # and their inputs rounded through dynamic FP8 on the torch path (model.py MoE.act_group)
+                weight = _dequantized(root, scheme, get, module, shape)
+                _destination(model, config, name).copy_(weight.to(dtype))
+                del weight
+                continue
             if is_routed and mode != "load" and backend != "triton":
                 raise ModelLoadError(str(root), f"{module}: quantized expert weights are dequantised at load only "
                                                 "on the torch backend (use --quant-dequant load; the triton "
                                                 "backend's fused-MoE kernel takes them packed)")
             if module == "lm_head" or mode == "load" or (is_expert and not is_routed):
-                try:
-                    weight = dequantize(scheme, get, module, shape)
-                except ValueError as exc:
-                    raise ModelLoadError(str(root), str(exc)) from exc
+                weight = _dequantized(root, scheme, get, module, shape)
                 _destination(model, config, name).copy_(weight.to(dtype))
                 del weight
                 if module == "lm_head" or is_expert:
@@ -168,6 +173,14 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
             act_groups.setdefault(_fused_key(module), set()).add(scheme.act_dynamic_fp8)
     for (index, projection), by_expert in expert_parts.items():
         _attach_experts(model, config, index, projection, by_expert, dtype, device)
+    for (index, kind), acts in expert_acts.items():
+        if len(acts) != 1:
+            raise ModelLoadError(str(root), f"layer {index}'s {kind} experts quantize their input differently "
+                                            "(some with dynamic FP8 activations, some without)")
+        moe = cast(DecoderLayer, model.layers[index]).mlp
+        assert isinstance(moe, MoE)
+        setattr(moe, "act_group" if kind == "routed" else "shared_act_group", next(iter(acts)))
+        model.has_quantized_forward |= moe.act_group is not None or moe.shared_act_group is not None
     for (index, fused), groups in act_groups.items():
         if len(groups) != 1:
             raise ModelLoadError(str(root), f"layer {index}'s {fused} projections quantize their input differently "
@@ -187,6 +200,14 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
         _attach(model, index, fused, state)
         model.has_quantized_forward |= state.act_group is not None or state.parts is not None \
             or state.kernel is not None
+
+
+def _dequantized(root: Path, scheme: WeightScheme, get: Callable[[str], torch.Tensor], module: str,
+                 shape: tuple[int, int]) -> torch.Tensor:
+    try:
+        return dequantize(scheme, get, module, shape)
+    except ValueError as exc:
+        raise ModelLoadError(str(root), str(exc)) from exc
 
 
 def _expert_key(module: str) -> tuple[int, str, int, int]:

@@ -30,7 +30,7 @@ from services.engine.kernels.backend import Backend
 from services.engine.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from services.engine.model.kv_cache import KVCache
 from services.engine.model.model_config import ModelConfig
-from services.engine.model.quant.linear import QuantizedLinear
+from services.engine.model.quant.linear import QuantizedLinear, fp8_quant_dequant
 
 # oneDNN's fp32 GEMM (the kernel inductor picks on CPU) against MKL's, which F.linear calls: on the bench
 # machine (AMD EPYC, 2 cores) oneDNN is 1.5-2.8x faster for every step-sized shape except one-row products
@@ -285,6 +285,11 @@ class MLP(nn.Module):
         return qlinear(ka.silu_and_mul(gate_up), self.down_weight, None, self.down_quant)
 
 
+def _act_fp8(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """``x`` itself, or rounded through dynamic FP8 (a W8A8 product's input; ``group`` 0: per token)."""
+    return x if group is None else fp8_quant_dequant(x, group)
+
+
 class MoE(nn.Module):
     """A sparse SwiGLU MLP (Qwen2/3-MoE, Mixtral): softmax router, top-k experts per token, renormalised as the
     config says, experts run on the groups of tokens routed to them; plus Qwen2-MoE's sigmoid-gated shared
@@ -309,6 +314,10 @@ class MoE(nn.Module):
         # --quant-dequant per-product; the dense gate_up_weight / down_weight are then empty
         self.gate_up_experts: Any = None
         self.down_experts: Any = None
+        # W8A8 experts (the loader, from the checkpoint's input_activations): every expert product's input is
+        # rounded through dynamic per-token FP8 (0: one scale per token; else per group of that width) first
+        self.act_group: int | None = None
+        self.shared_act_group: int | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights ``[T, k]`` in x's dtype, expert ids ``[T, k]``) of each token."""
@@ -322,8 +331,9 @@ class MoE(nn.Module):
         """``out`` plus Qwen2-MoE's sigmoid-gated shared expert of ``x`` (``out`` itself without one)."""
         if self.shared_gate_up_weight is not None and self.shared_down_weight is not None \
                 and self.shared_gate_weight is not None:
-            gate, up = linear(x, self.shared_gate_up_weight).chunk(2, dim=-1)
-            shared = linear(F.silu(gate) * up, self.shared_down_weight)
+            g = self.shared_act_group
+            gate, up = linear(_act_fp8(x, g), self.shared_gate_up_weight).chunk(2, dim=-1)
+            shared = linear(_act_fp8(F.silu(gate) * up, g), self.shared_down_weight)
             out = out + torch.sigmoid(F.linear(x, self.shared_gate_weight)) * shared
         return out
 
@@ -333,14 +343,16 @@ class MoE(nn.Module):
         # token groups: one product pair per expert that any token of the step picked
         for expert in torch.unique(experts).tolist():
             rows, slot = torch.where(experts == expert)
-            gate, up = F.linear(x[rows], self.gate_up_weight[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_weight[expert])
+            gate, up = F.linear(_act_fp8(x[rows], self.act_group), self.gate_up_weight[expert]).chunk(2, dim=-1)
+            y = F.linear(_act_fp8(F.silu(gate) * up, self.act_group), self.down_weight[expert])
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return self.shared(x, out)
 
     def forward_triton(self, h: torch.Tensor) -> torch.Tensor:
         """The routed experts in one fused-MoE kernel launch per projection (kernels/fused_moe.py), on the
         experts' dense weights or, where the loader kept them quantized, their packed form."""
+        if self.act_group is not None:  # the fused kernel has no FP8-activation path: the torch experts (dequantised)
+            return self.forward(h)
         from services.engine.kernels.fused_moe import ExpertWeights, fused_moe
 
         weights, experts = self.route(h)
