@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -28,6 +29,21 @@ STALE_AFTER_S = 2 * HEARTBEAT_S
 ENGINE_FLAGS = ("--heartbeat-interval", str(HEARTBEAT_S), "--max-concurrency", "2", "--max-pending-requests", "12")
 
 
+@contextlib.asynccontextmanager
+async def _two_engines_and_a_gateway(nats_server, model, tmp_path):  # type: ignore[no-untyped-def]
+    """Engines e1 and e2 (real processes, ENGINE_FLAGS), a gateway in process with the test's staleness bound,
+    an HTTP session; yields (engines by id, the gateway, the session) once both engines are routable."""
+    with procs() as started:
+        engines = {w: engine_proc(model, nats_server.url, w, tmp_path / w, *ENGINE_FLAGS) for w in ("e1", "e2")}
+        started += engines.values()
+        await asyncio.gather(*(e.start() for e in engines.values()))
+        async with gateway_in_process(nats_server.url, tmp_path / "gw", stale_after_s=STALE_AFTER_S) as g, \
+                aiohttp.ClientSession() as http:
+            await wait_until(lambda: _routable(g.gateway, "e1") and _routable(g.gateway, "e2"), 20,
+                             what="both engines up")
+            yield engines, g, http
+
+
 def _row(gw, member_id: str) -> dict:  # type: ignore[no-untyped-def]
     return next(r for r in gw.backends_view() if r["member_id"] == member_id)
 
@@ -40,84 +56,78 @@ def _routable(gw, member_id: str) -> bool:  # type: ignore[no-untyped-def]
 @pytest.mark.slow
 async def test_a_killed_engine_fails_over_queued_requests_and_ends_streaming_ones_cleanly(
         nats_server, tiny_model, tmp_path, gateway_logs) -> None:  # type: ignore[no-untyped-def]
-    with procs() as started:
-        engines = {w: engine_proc(tiny_model, nats_server.url, w, tmp_path / w, *ENGINE_FLAGS) for w in ("e1", "e2")}
-        started += engines.values()
-        await asyncio.gather(*(e.start() for e in engines.values()))
-        async with gateway_in_process(nats_server.url, tmp_path / "gw", stale_after_s=STALE_AFTER_S) as g, \
-                aiohttp.ClientSession() as http:
-            gw = g.gateway
-            await wait_until(lambda: _routable(gw, "e1") and _routable(gw, "e2"), 20, what="both engines up")
-            url = g.url + "/v1/chat/completions"
-            streaming = 0
+    async with _two_engines_and_a_gateway(nats_server, tiny_model, tmp_path) as (engines, g, http):
+        gw = g.gateway
+        url = g.url + "/v1/chat/completions"
+        streaming = 0
 
-            def saw_text(result: Result) -> None:
-                nonlocal streaming
-                if result.texts == 1:
-                    streaming += 1
+        def saw_text(result: Result) -> None:
+            nonlocal streaming
+            if result.texts == 1:
+                streaming += 1
 
-            # 8 long streams on 2 engines of 2 lanes: both engines run two and queue two (queued ones have no text yet);
-            # 2,000 tokens each, so the victim is still streaming when it is killed (the tiny model is fast)
-            # (a long total limit: the queued half runs after the first half, which on a loaded 2-core machine can
-            # take over a minute; the assertions below are about how the streams end, not how fast)
-            first_wave = [asyncio.create_task(post(http, url, chat_body(2000, True, f"long {i}"), g.auth, saw_text,
-                                                   timeout_s=240.0)) for i in range(8)]
-            await wait_until(lambda: streaming >= 3, 30, what="both engines streaming")
-            victim = max(("e1", "e2"), key=lambda m: gw.fleet.record(m).in_flight)
-            survivor = "e2" if victim == "e1" else "e1"
-            engines[victim].kill()
-            killed_at = time.monotonic()
-            # sent right after the kill, before any heartbeat could be missed: no responder → next member
-            second_wave = [asyncio.create_task(post(http, url, chat_body(16, True, f"short {i}"), g.auth,
-                                                    timeout_s=240.0)) for i in range(4)]  # queued behind the long
-            await wait_until(lambda: not _routable(gw, victim), 5, 0.005, what="victim marked down")
-            marked_down_s = time.monotonic() - killed_at
-            results = await asyncio.gather(*first_wave, *second_wave)
-            wave_s = time.monotonic() - killed_at
+        # 8 long streams on 2 engines of 2 lanes: both engines run two and queue two (queued ones have no text yet);
+        # 2,000 tokens each, so the victim is still streaming when it is killed (the tiny model is fast)
+        # (a long total limit: the queued half runs after the first half, which on a loaded 2-core machine can
+        # take over a minute; the assertions below are about how the streams end, not how fast)
+        first_wave = [asyncio.create_task(post(http, url, chat_body(2000, True, f"long {i}"), g.auth, saw_text,
+                                               timeout_s=240.0)) for i in range(8)]
+        await wait_until(lambda: streaming >= 3, 30, what="both engines streaming")
+        victim = max(("e1", "e2"), key=lambda m: gw.fleet.record(m).in_flight)
+        survivor = "e2" if victim == "e1" else "e1"
+        engines[victim].kill()
+        killed_at = time.monotonic()
+        # sent right after the kill, before any heartbeat could be missed: no responder → next member
+        second_wave = [asyncio.create_task(post(http, url, chat_body(16, True, f"short {i}"), g.auth,
+                                                timeout_s=240.0)) for i in range(4)]  # queued behind the long
+        await wait_until(lambda: not _routable(gw, victim), 5, 0.005, what="victim marked down")
+        marked_down_s = time.monotonic() - killed_at
+        results = await asyncio.gather(*first_wave, *second_wave)
+        wave_s = time.monotonic() - killed_at
 
-            records = {r.request_id: r for r in await _usage_of(nats_server.url, len(results))}
-            cut, served = [], []
-            for res in results:
-                assert res.status == 200 and res.done, res  # every stream ends with [DONE]
-                record = records[res.request_id]
-                if res.error_event is None:
-                    assert record.status == "ok" and record.member in (victim, survivor)
-                    served.append(record)
-                else:  # cut mid-stream: it had streamed text from the victim, and ends with an error event
-                    assert res.texts > 0 and record.member == victim, (res, record)
-                    assert res.error_event["code"] == "upstream_lost" and res.error_event["type"]
-                    assert record.status == "error" and record.http_status == 503
-                    # issue #21: the tokens already streamed are billed (counted by the gateway, the prompt as
-                    # the engine admitted it), not 0
-                    assert record.usage_source == "counted_by_gateway", record
-                    assert record.prompt_tokens > 0 and record.output_tokens >= res.texts > 0, (record, res)
-                    cut.append(record)
-            failed_over = [r for r in served if r.routing_reason.startswith("failover")]
-            assert cut, "the victim was streaming when it was killed"
-            assert failed_over, "requests the victim had not started were served by the survivor"
-            assert all(r.member == survivor for r in failed_over)
-            # marked down within two heartbeat intervals of the kill (+ one poll of this test)
-            assert marked_down_s <= 2 * HEARTBEAT_S + 0.1, marked_down_s
+        records = {r.request_id: r for r in await _usage_of(nats_server.url, len(results))}
+        cut, served = [], []
+        for res in results:
+            assert res.status == 200 and res.done, res  # every stream ends with [DONE]
+            record = records[res.request_id]
+            if res.error_event is None:
+                assert record.status == "ok" and record.member in (victim, survivor)
+                served.append(record)
+            else:  # cut mid-stream: it had streamed text from the victim, and ends with an error event
+                assert res.texts > 0 and record.member == victim, (res, record)
+                assert res.error_event["code"] == "upstream_lost" and res.error_event["type"]
+                assert record.status == "error" and record.http_status == 503
+                # issue #21: the tokens already streamed are billed (counted by the gateway, the prompt as
+                # the engine admitted it), not 0
+                assert record.usage_source == "counted_by_gateway", record
+                assert record.prompt_tokens > 0 and record.output_tokens >= res.texts > 0, (record, res)
+                cut.append(record)
+        failed_over = [r for r in served if r.routing_reason.startswith("failover")]
+        assert cut, "the victim was streaming when it was killed"
+        assert failed_over, "requests the victim had not started were served by the survivor"
+        assert all(r.member == survivor for r in failed_over)
+        # marked down within two heartbeat intervals of the kill (+ one poll of this test)
+        assert marked_down_s <= 2 * HEARTBEAT_S + 0.1, marked_down_s
 
-            # it comes back when restarted under the same worker id
-            await engines[victim].start()
-            restarted_at = time.monotonic()
-            await wait_until(lambda: _routable(gw, victim), 10, what="victim back")
-            back_s = time.monotonic() - restarted_at
-            again = await asyncio.gather(*(post(http, url, chat_body(8, False, f"again {i}"), g.auth)
-                                           for i in range(6)))
-            assert all(r.status == 200 for r in again)
-            records = {r.request_id: r for r in await _usage_of(nats_server.url, len(results) + len(again))}
-            assert victim in {records[r.request_id].member for r in again}
+        # it comes back when restarted under the same worker id
+        await engines[victim].start()
+        restarted_at = time.monotonic()
+        await wait_until(lambda: _routable(gw, victim), 10, what="victim back")
+        back_s = time.monotonic() - restarted_at
+        again = await asyncio.gather(*(post(http, url, chat_body(8, False, f"again {i}"), g.auth)
+                                       for i in range(6)))
+        assert all(r.status == 200 for r in again)
+        records = {r.request_id: r for r in await _usage_of(nats_server.url, len(results) + len(again))}
+        assert victim in {records[r.request_id].member for r in again}
 
-            errors = gateway_logs.lines(logging.ERROR)
-            warnings = gateway_logs.lines(logging.WARNING)
-            assert errors == []  # no error-log storm: a dead worker is a warning per affected request at most
-            assert len(warnings) <= len(cut) + len(failed_over) + 4, warnings
-            print(f"\nFIGURES engine-crash: requests={len(results) + len(again)} served_ok={len(served) + len(again)}"
-                  f" failed_over={len(failed_over)} cut_mid_stream={len(cut)} lost=0 marked_down_s={marked_down_s:.3f}"
-                  f" wave_done_s={wave_s:.2f} back_after_restart_s={back_s:.3f} error_logs={len(errors)}"
-                  f" warning_logs={len(warnings)}")
+        errors = gateway_logs.lines(logging.ERROR)
+        warnings = gateway_logs.lines(logging.WARNING)
+        assert errors == []  # no error-log storm: a dead worker is a warning per affected request at most
+        assert len(warnings) <= len(cut) + len(failed_over) + 4, warnings
+        print(f"\nFIGURES engine-crash: requests={len(results) + len(again)} served_ok={len(served) + len(again)}"
+              f" failed_over={len(failed_over)} cut_mid_stream={len(cut)} lost=0 marked_down_s={marked_down_s:.3f}"
+              f" wave_done_s={wave_s:.2f} back_after_restart_s={back_s:.3f} error_logs={len(errors)}"
+              f" warning_logs={len(warnings)}")
 
 
 async def _usage_of(nats_url: str, n: int):  # type: ignore[no-untyped-def]
@@ -194,24 +204,17 @@ async def test_an_engine_whose_core_process_dies_stops_with_one_line_and_its_req
     import re
     import signal
 
-    with procs() as started:
-        engines = {w: engine_proc(tiny_model, nats_server.url, w, tmp_path / w, *ENGINE_FLAGS) for w in ("e1", "e2")}
-        started += engines.values()
-        await asyncio.gather(*(e.start() for e in engines.values()))
-        async with gateway_in_process(nats_server.url, tmp_path / "gw", stale_after_s=STALE_AFTER_S) as g, \
-                aiohttp.ClientSession() as http:
-            gw = g.gateway
-            await wait_until(lambda: _routable(gw, "e1") and _routable(gw, "e2"), 20, what="both engines up")
-            url = g.url + "/v1/chat/completions"
-            found = re.search(r"core in process (\d+)", engines["e1"].output)
-            assert found, engines["e1"].output
-            core_pid = int(found.group(1))
-            os.kill(core_pid, signal.SIGKILL)
-            results = await asyncio.gather(*(post(http, url, chat_body(4, False, f"after {i}"), g.auth, timeout_s=30)
-                                             for i in range(6)))
-            victim = engines["e1"].followed
-            assert victim is not None
-            code = await asyncio.to_thread(victim.proc.wait, 30)
+    async with _two_engines_and_a_gateway(nats_server, tiny_model, tmp_path) as (engines, g, http):
+        url = g.url + "/v1/chat/completions"
+        found = re.search(r"core in process (\d+)", engines["e1"].output)
+        assert found, engines["e1"].output
+        core_pid = int(found.group(1))
+        os.kill(core_pid, signal.SIGKILL)
+        results = await asyncio.gather(*(post(http, url, chat_body(4, False, f"after {i}"), g.auth, timeout_s=30)
+                                         for i in range(6)))
+        victim = engines["e1"].followed
+        assert victim is not None
+        code = await asyncio.to_thread(victim.proc.wait, 30)
     assert [r.status for r in results] == [200] * 6, [(r.status, r.body) for r in results]
     slowest = max(r.elapsed_s for r in results)
     assert slowest < 4.0, slowest  # well inside the 5 s first-chunk deadline nobody had to wait out

@@ -118,24 +118,32 @@ def test_an_moe_config_with_an_unknown_router_is_refused_naming_it(tmp_path: Pat
     assert fragment in str(err.value)
 
 
+def _twin_and_quantized(tmp_path: Path, prompt: list[int]) -> list[Any]:
+    """Greedy (tokens, logits) of ``tmp_path/twin`` (dense) and ``tmp_path/q``, the second teacher-forced on the
+    first's tokens, so their logits compare step by step."""
+    from services.engine.model.loader import load_model
+    from tests.unit.engine.model_helpers import make_runner, reversed_blocks, runner_greedy
+
+    runs: list[Any] = []
+    for path in (tmp_path / "twin", tmp_path / "q"):
+        model, cfg = load_model(path)
+        runs.append(runner_greedy(make_runner(model, cfg), prompt, 6, reversed_blocks(12),
+                                  forced=runs[0][0] if runs else None))
+    return runs
+
+
 @pytest.mark.parametrize("variant_name", ["qwen2_moe", "mixtral"])
 def test_quantized_expert_weights_compute_what_they_decode_to(tmp_path: Path, variant_name: str) -> None:
     """AWQ experts (and attention, shared expert) dequantised at load: logits equal the dense twin's."""
     from services.engine.model.loader import load_model
     from tests.unit import quant_checkpoints as qc
-    from tests.unit.engine.model_helpers import make_runner, reversed_blocks, runner_greedy
 
     family, kwargs = _variants()[variant_name]
     dense = _write(tmp_path / "dense", family, kwargs)
     # group 16: the shared expert's 48-wide down projection is not a multiple of 32
     config = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"}
     qc.quantize_checkpoint(dense, tmp_path / "q", tmp_path / "twin", qc.awq(16), config)
-    prompt = _prompts(4, 1)[0]
-    runs = []
-    for path in (tmp_path / "twin", tmp_path / "q"):
-        model, cfg = load_model(path)
-        runs.append(runner_greedy(make_runner(model, cfg), prompt, 6, reversed_blocks(12),
-                                  forced=runs[0][0] if runs else None))
+    runs = _twin_and_quantized(tmp_path, _prompts(4, 1)[0])
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-4, rtol=1e-4)
     assert runs[1][0] == runs[0][0]
     with pytest.raises(ModelLoadError, match="quantized expert weights are dequantised at load only"):
@@ -156,7 +164,6 @@ def test_w8a8_fp8_experts_round_every_expert_input_through_dynamic_fp8(tmp_path:
     from services.engine.model.model import MoE
     from services.engine.model.quant.linear import fp8_quant_dequant
     from tests.unit import quant_checkpoints as qc
-    from tests.unit.engine.model_helpers import make_runner, reversed_blocks, runner_greedy
 
     fp8 = {"num_bits": 8, "type": "float"}
     family, kwargs = _variants()[variant_name]
@@ -185,12 +192,7 @@ def test_w8a8_fp8_experts_round_every_expert_input_through_dynamic_fp8(tmp_path:
         torch.testing.assert_close(moe.forward(x) - got, expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(moe.forward_triton(x), moe.forward(x))  # the triton backend takes this path too
 
-    prompt = _prompts(5, 1)[0]
-    runs = []
-    for path in (tmp_path / "twin", tmp_path / "q"):
-        m, c = load_model(path)
-        runs.append(runner_greedy(make_runner(m, c), prompt, 6, reversed_blocks(12),
-                                  forced=runs[0][0] if runs else None))
+    runs = _twin_and_quantized(tmp_path, _prompts(5, 1)[0])
     ref, logits = runs[0][1], runs[1][1]
     span = float(ref.max() - ref.min())
     print(f"\nFIGURES w8a8-experts {variant_name}: logits span {span:.2f} mean |diff| "
