@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -61,6 +62,9 @@ class ParsedRequest:
     # how the serving model writes tool calls (services/common/tool_calls.py TOOL_FORMATS): set by the face
     # that knows the model (the engine from its template, the gateway from the member's heartbeat)
     tool_format: str = "hermes"
+    # the request used the legacy ``functions`` / ``function_call`` form (translated to tools at parsing): the
+    # reply says ``message.function_call`` / ``delta.function_call`` and ``finish_reason: "function_call"``
+    legacy_functions: bool = False
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -405,7 +409,90 @@ def _tool_fields(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
             "parallel_tool_calls": True if parallel is None else parallel}
 
 
+def _legacy_functions(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The legacy ``functions`` / ``function_call`` form (OpenAI's, before tools; still sent by older agent
+    frameworks) as the tools form: each function a tool, ``function_call`` the ``tool_choice``, one call per
+    reply (the legacy form has no parallel calls); history turns too — an assistant turn's ``function_call``
+    becomes its one tool call, a ``role: function`` turn the ``role: tool`` answer to the call before it.
+    None when the body does not use the legacy form."""
+    functions = body.get("functions")
+    function_call = body.get("function_call")
+    history = body.get("messages")
+    legacy_turns = isinstance(history, list) and any(
+        isinstance(m, dict) and (m.get("role") == "function" or m.get("function_call") is not None) for m in history)
+    if functions is None and function_call is None and not legacy_turns:
+        return None
+    if functions is not None and "tools" in body:
+        raise InvalidRequest("give either 'functions' (legacy) or 'tools', not both", "functions")
+    if function_call is not None and "tool_choice" in body:
+        raise InvalidRequest("give either 'function_call' (legacy) or 'tool_choice', not both", "function_call")
+    out = dict(body)
+    if functions is not None:
+        if not isinstance(functions, list) or len(functions) > MAX_TOOLS:
+            raise InvalidRequest(f"'functions' must be an array of at most {MAX_TOOLS} functions", "functions")
+        for i, fn in enumerate(functions):
+            if not isinstance(fn, dict):
+                raise InvalidRequest(f"'functions[{i}]' must be an object", f"functions[{i}]")
+        out["tools"] = [{"type": "function", "function": fn} for fn in functions]
+        out["parallel_tool_calls"] = False
+        out.pop("functions")
+    if function_call is not None:
+        if isinstance(function_call, dict):
+            if not isinstance(function_call.get("name"), str):
+                raise InvalidRequest("'function_call' must be none, auto or {\"name\": ...}", "function_call")
+            out["tool_choice"] = {"type": "function", "function": {"name": function_call["name"]}}
+        elif function_call in ("none", "auto"):
+            out["tool_choice"] = function_call
+        else:
+            raise InvalidRequest("'function_call' must be none, auto or {\"name\": ...}", "function_call")
+        out.pop("function_call")
+    if legacy_turns and isinstance(history, list):
+        turns: list[Any] = []
+        last_call_id: str | None = None
+        for i, m in enumerate(history):
+            if not isinstance(m, dict):
+                turns.append(m)  # _messages names it
+                continue
+            m = dict(m)
+            call = m.pop("function_call", None)
+            if call is not None and m.get("role") == "assistant":
+                if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                    raise InvalidRequest(f"messages[{i}].function_call must be {{\"name\": str, \"arguments\": str}}",
+                                         f"messages[{i}].function_call")
+                last_call_id = f"call_legacy_{i}"
+                m["tool_calls"] = [{"id": last_call_id, "type": "function", "function": {
+                    "name": call["name"], "arguments": call.get("arguments", "{}")}}]
+            elif m.get("role") == "function":
+                m["role"] = "tool"
+                m["tool_call_id"] = last_call_id or f"call_legacy_{i}"
+            turns.append(m)
+        out["messages"] = turns
+    return out
+
+
+# a translated field's name in an error -> the legacy field the client sent
+_LEGACY_PARAMS = [(re.compile(r"^tools\[(\d+)\]\.function"), r"functions[\1]"), (re.compile(r"^tools\b"), "functions"),
+                  (re.compile(r"^tool_choice\.function"), "function_call"),
+                  (re.compile(r"^tool_choice\b"), "function_call")]
+
+
 def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
+    legacy = _legacy_functions(body) if endpoint == "chat.completions" else None
+    if legacy is None:
+        return _parse_request(body, endpoint)
+    try:
+        return dataclasses.replace(_parse_request(legacy, endpoint), legacy_functions=True)
+    except InvalidRequest as exc:  # name the field the client sent, not the one it was translated into
+        param = exc.param
+        for pattern, name in _LEGACY_PARAMS:
+            if param is not None and pattern.match(param) and name.split("[")[0] in body:
+                param = pattern.sub(name, param)
+                break
+        message = str(exc) if param == exc.param or exc.param is None else str(exc).replace(exc.param, param or "")
+        raise InvalidRequest(message, param, exc.code) from None
+
+
+def _parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required and must be a string", "model")
@@ -484,11 +571,9 @@ def parse_request(body: dict[str, Any], endpoint: str) -> ParsedRequest:
 # Parameters that change what a reply must be, each with the test for a value that asks for something:
 # accepting such a request and ignoring the parameter would hand the client a silently wrong answer.
 # (response_format, the guided_* forms, logit_bias, min_p, tools and tool_choice are implemented: issue #26;
-# the legacy ``functions`` / ``function_call`` forms are not.)
+# so is the legacy ``functions`` / ``function_call`` form, translated to tools by ``_legacy_functions``.)
 # (n > 1, echo and suffix are implemented too and carried in the GenerateRequest: issue #26.)
 _CHAT_CHECKS: dict[str, Callable[[Any], bool]] = {
-    "functions": bool,
-    "function_call": lambda v: v not in (None, "none"),
     "modalities": lambda v: v is not None and v != ["text"],
     "audio": lambda v: v is not None,
     "prediction": lambda v: v is not None,
@@ -582,7 +667,7 @@ def tool_call_deltas(call: ParsedCall, index: int, call_id: str) -> list[dict[st
 def reply_finish_reason(parsed: ParsedRequest, final: TokenChunk, num_tool_calls: int) -> str | None:
     """``tool_calls`` for a reply that stopped by itself after making calls (OpenAI's), else the engine's."""
     if num_tool_calls and final.finish_reason == "stop":
-        return "tool_calls"
+        return "function_call" if parsed.legacy_functions else "tool_calls"
     return final.finish_reason
 
 
@@ -598,7 +683,9 @@ def completion_body(
         content, calls = parse_tool_calls(text, parallel_tool_calls=parsed.generate.parallel_tool_calls,
                                           tool_format=parsed.tool_format)
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
+        if calls and parsed.legacy_functions:  # one call (parallel_tool_calls is off for the legacy form)
+            message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+        elif calls:
             message["tool_calls"] = [tool_call_body(c, new_call_id()) for c in calls]
         body = {
             "id": response_id, "object": "chat.completion", "created": created, "model": parsed.model,
@@ -676,7 +763,9 @@ def stream_chunk(
             delta["reasoning_content"] = delta["reasoning"] = reasoning
         if text is not None:
             delta["content"] = text
-        if tool_calls is not None:
+        if tool_calls is not None and parsed.legacy_functions:  # {"name", "arguments": ""}, then {"arguments"}
+            delta["function_call"] = tool_calls[0]["function"]
+        elif tool_calls is not None:
             delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"

@@ -16,7 +16,7 @@ ERROR = {"description": "OpenAI-style error", "content": {"application/json": {"
 MESSAGE = {
     "type": "object", "required": ["role"],
     "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool", "function"]},
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
             "type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}, {"type": "null"}]},
@@ -31,6 +31,9 @@ MESSAGE = {
                                                                                   "name": {"type": "string"},
                                                                                   "arguments": {"type": "string"}}}}}},
         "tool_call_id": {"type": "string"},
+        # the legacy form: an assistant turn's one call (a role function turn answers it)
+        "function_call": {"type": "object", "required": ["name"],
+                          "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}},
     },
 }
 
@@ -48,6 +51,13 @@ TOOLS = {
                        "function": {"type": "object", "required": ["name"],
                                     "properties": {"name": {"type": "string"}}}}}]},
     "parallel_tool_calls": {"type": "boolean"},
+    # the legacy form of tools and tool_choice (translated to them: openai_api._legacy_functions)
+    "functions": {"type": "array", "maxItems": 128, "items": {
+        "type": "object", "required": ["name"],
+        "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                       "description": {"type": "string"}, "parameters": {"type": "object"}}}},
+    "function_call": {"oneOf": [{"type": "string", "enum": ["none", "auto"]}, {
+        "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}]},
 }
 
 SAMPLING = {

@@ -149,8 +149,8 @@ async def test_penalties_reach_the_sampler_and_bad_ones_are_400(tiny_model: Path
         # Asked for what the engine does not do: refused by name, not answered as if it had not been asked.
         with pytest.raises(openai.BadRequestError) as err:
             await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                            extra_body={"functions": [{"name": "f"}]})
-        assert err.value.body["param"] == "functions" and err.value.body["code"] == "unsupported_parameter"  # type: ignore[index]
+                                            extra_body={"prediction": {"type": "content", "content": "x"}})
+        assert err.value.body["param"] == "prediction" and err.value.body["code"] == "unsupported_parameter"  # type: ignore[index]
 
 
 async def test_slots_and_usage_have_the_interop_shapes(tiny_model: Path, tmp_path: Path) -> None:

@@ -80,8 +80,8 @@ async def test_a_parameter_our_engines_lack_is_a_400_naming_it(stack: Stack) -> 
     with pytest.raises(openai.BadRequestError) as err:
         await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}],
-            extra_body={"functions": [{"name": "f", "parameters": {"type": "object"}}]})
-    assert err.value.body["param"] == "functions"  # type: ignore[index]
+            extra_body={"prediction": {"type": "content", "content": "hi"}})
+    assert err.value.body["param"] == "prediction"  # type: ignore[index]
     assert err.value.body["code"] == "unsupported_parameter"  # type: ignore[index]
 
 

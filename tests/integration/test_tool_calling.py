@@ -128,6 +128,42 @@ async def round_trip(c: openai.AsyncOpenAI) -> None:
     assert answer.usage.prompt_tokens > without.usage.prompt_tokens + 20
 
 
+FUNCTIONS: Any = [t["function"] for t in TOOLS]  # the legacy form: the function objects themselves
+
+
+async def legacy_functions(c: openai.AsyncOpenAI) -> None:
+    """The legacy ``functions`` / ``function_call`` form (older agent frameworks): a forced call comes back as
+    ``message.function_call`` with ``finish_reason: function_call``, streamed as ``delta.function_call`` that
+    reassembles into it; a ``role: function`` result turn reaches the prompt."""
+    kwargs: Any = {"model": "tiny", "messages": MESSAGES, "functions": FUNCTIONS,
+                   "function_call": {"name": "get_time"}, "temperature": 0.0, "max_tokens": 400}
+    whole = await c.chat.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None, choice
+    call = choice.message.function_call
+    assert call is not None and call.name == "get_time"
+    TimeArgs.model_validate_json(call.arguments)
+    name, arguments, finish = None, "", None
+    async for chunk in await c.chat.completions.create(**kwargs, stream=True):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            assert delta.tool_calls is None
+            if delta.function_call is not None:
+                name = name or delta.function_call.name
+                arguments += delta.function_call.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert (name, arguments, finish) == ("get_time", call.arguments, "function_call")
+    history: Any = [*MESSAGES, {"role": "assistant", "content": None,
+                                "function_call": {"name": call.name, "arguments": call.arguments}},
+                    {"role": "function", "name": "get_time", "content": json.dumps({"time": "12:00"})}]
+    answer = await c.chat.completions.create(model="tiny", messages=history, functions=FUNCTIONS, max_tokens=4,
+                                             temperature=0.0)
+    without = await c.chat.completions.create(model="tiny", messages=MESSAGES, functions=FUNCTIONS, max_tokens=1)
+    assert answer.choices[0].finish_reason in ("stop", "length", "function_call")
+    assert answer.usage is not None and without.usage is not None
+    assert answer.usage.prompt_tokens > without.usage.prompt_tokens + 10  # the call and its result were rendered
+
+
 BAD: list[tuple[dict[str, Any], str]] = [
     ({"tools": {"type": "function"}}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
@@ -145,6 +181,9 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
      "messages[0].tool_calls[0]"),
+    ({"functions": FUNCTIONS, "tools": TOOLS}, "functions"),
+    ({"functions": FUNCTIONS, "function_call": "always"}, "function_call"),
+    ({"functions": [{"name": "has space"}]}, "functions[0].name"),
 ]
 
 
@@ -162,6 +201,7 @@ async def test_tool_calling_over_the_engines_http_face(tiny_model: Path, tmp_pat
         await forced_calls_are_valid(c)
         await streamed_equals_whole(c)
         await round_trip(c)
+        await legacy_functions(c)
         await bad_requests_are_400s(c)
 
 
@@ -170,6 +210,7 @@ async def test_tool_calling_through_the_gateway_to_a_bus_member(stack: Stack) ->
     await forced_calls_are_valid(c)
     await streamed_equals_whole(c)
     await round_trip(c)
+    await legacy_functions(c)
     await bad_requests_are_400s(c)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from proto import TokenChunk
 from services.common import openai_api
 from services.common.openai_api import InvalidRequest, parse_request
 
@@ -20,7 +21,8 @@ COMPLETION = {"model": "m", "prompt": "hi"}
     ({"tools": []}, ()),
     ({"tool_choice": "none"}, ()),
     ({"tool_choice": "auto"}, ()),
-    ({"functions": [{"name": "f"}], "function_call": "auto"}, ("functions", "function_call")),  # legacy form
+    ({"functions": [{"name": "f"}], "function_call": "auto"}, ()),  # the legacy form, translated to tools
+    ({"prediction": {"type": "content", "content": "x"}}, ("prediction",)),
     ({"response_format": {"type": "text"}}, ()),
     ({"response_format": {"type": "json_object"}}, ()),  # implemented (issue #26): constrained decoding
     ({"logit_bias": {}}, ()),
@@ -122,3 +124,53 @@ def test_bad_structured_output_logit_bias_and_min_p_are_400s_naming_the_field(ex
 def test_logit_bias_and_min_p_are_carried() -> None:
     g = parse_request({**CHAT, "logit_bias": {"42": 5, "7": -100}, "min_p": 0.25}, "chat.completions").generate
     assert (g.logit_bias, g.min_p) == ({42: 5.0, 7: -100.0}, 0.25)
+
+
+def test_the_legacy_functions_form_is_the_tools_form_with_one_call_and_legacy_replies() -> None:
+    fn = {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": '{"a": 1}'}},
+               {"role": "function", "name": "f", "content": "42"}]
+    parsed = parse_request({**CHAT, "messages": history, "functions": [fn], "function_call": {"name": "f"}},
+                           "chat.completions")
+    tools = parse_request({**CHAT, "messages": [history[0]], "tools": [{"type": "function", "function": fn}]},
+                          "chat.completions").generate.tools
+    g = parsed.generate
+    assert parsed.legacy_functions and parsed.unsupported == ()
+    assert (g.tools, g.tool_choice, g.tool_choice_name, g.parallel_tool_calls) == (tools, "function", "f", False)
+    call_id = g.messages[1].tool_calls[0].id  # type: ignore[index]
+    assert [(m.role, m.tool_call_id) for m in g.messages or []] == [("user", None), ("assistant", None),
+                                                                    ("tool", call_id)]
+    assert (g.messages[1].tool_calls[0].name, g.messages[1].tool_calls[0].arguments) == ("f", '{"a": 1}')  # type: ignore[index]
+    assert parse_request({**CHAT, "functions": [fn], "function_call": "none"}, "chat.completions").generate \
+        .tool_choice == "none"
+    assert not parse_request({**CHAT, "tools": [{"type": "function", "function": fn}]},
+                             "chat.completions").legacy_functions
+    # the reply: message.function_call, finish_reason function_call; streamed as delta.function_call
+    final = TokenChunk(request_id="r", index=0, finish_reason="stop")
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": 2}}\n</tool_call>'
+    body = openai_api.completion_body(parsed, "id", 0, text, final, new_call_id=lambda: "call_x")
+    message = body["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": '{"a": 2}'}}
+    assert body["choices"][0]["finish_reason"] == "function_call"
+    start = openai_api.stream_chunk(parsed, "id", 0, tool_calls=[openai_api.tool_call_start_delta("f", 0, "call_x")])
+    more = openai_api.stream_chunk(parsed, "id", 0, tool_calls=[openai_api.tool_call_arguments_delta('{"a"', 0)])
+    assert start["choices"][0]["delta"] == {"function_call": {"name": "f", "arguments": ""}}
+    assert more["choices"][0]["delta"] == {"function_call": {"arguments": '{"a"'}}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"functions": [{"name": "f"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "functions"),
+    ({"function_call": {"name": "f"}, "tool_choice": "auto"}, "function_call"),
+    ({"functions": {"name": "f"}}, "functions"),
+    ({"functions": ["f"]}, "functions[0]"),
+    ({"functions": [{"name": "f"}], "function_call": "required"}, "function_call"),
+    ({"functions": [{"name": "f"}], "function_call": {"name": "g"}}, "function_call.name"),
+    ({"functions": [{"name": "has space"}]}, "functions[0].name"),
+    ({"functions": [{"name": "f", "parameters": "{bad"}]}, "functions[0].parameters"),
+    ({"messages": [{"role": "assistant", "function_call": "f"}]}, "messages[0].function_call"),
+])
+def test_a_bad_legacy_functions_request_is_a_400_naming_the_field(extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        parse_request({**CHAT, **extra}, "chat.completions")
+    assert err.value.param == param
