@@ -230,6 +230,8 @@ class Tokenizer:
         if self._chat_template is None:
             raise ChatTemplateError("this model has no chat template")
         prepared = [dict(m) for m in messages]
+        if "developer" not in (self.chat_template_source or ""):
+            prepared = developer_as_system(prepared)
         if not preserve_thinking:
             last_user = max((i for i, m in enumerate(prepared) if m.get("role") == "user"), default=-1)
             for message in prepared[:last_user]:
@@ -271,6 +273,31 @@ class Tokenizer:
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
             # Templates index messages freely; a malformed message surfaces as a Python error in there.
             raise ChatTemplateError(f"chat template failed on these messages: {exc!r}") from exc
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content or () if isinstance(p, Mapping))
+
+
+def developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's ``developer`` role (what o1-era SDKs, the Responses API and coding agents such as Codex send in
+    place of ``system``) as ``system`` for a template that does not know it: Qwen3's and Llama's templates
+    raise on an unknown role or drop the turn silently. The leading system turns are then one turn (their
+    texts joined by a blank line): many templates accept one system turn, first (llama.cpp maps the role
+    the same way, ggml-org/llama.cpp#20215). A later system turn is left where it is, for the template to
+    judge."""
+    if not any(m.get("role") == "developer" for m in messages):
+        return messages
+    out = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    lead = 0
+    while lead < len(out) and out[lead].get("role") == "system":
+        lead += 1
+    if lead > 1:
+        merged = {**out[0], "content": "\n\n".join(t for t in (_text(m.get("content")) for m in out[:lead]) if t)}
+        out = [merged, *out[lead:]]
+    return out
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

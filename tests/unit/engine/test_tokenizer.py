@@ -134,3 +134,26 @@ def test_flush_emits_a_dangling_partial_character_once(tokenizer: Tokenizer) -> 
     assert detok.push(first_byte_token) == ""
     assert detok.flush() == "\ufffd"
     assert detok.flush() == ""
+
+
+# A template in the style of Qwen3.5's and Llama's: one system turn, first; any other role refused.
+STRICT = ("{%- for m in messages %}{%- if m.role == 'system' and not loop.first %}"
+          "{{ raise_exception('System message must be at the beginning.') }}"
+          "{%- elif m.role not in ('system', 'user', 'assistant') %}{{ raise_exception('Unexpected message role.') }}"
+          "{%- endif %}<{{ m.role }}>{{ m.content }}{%- endfor %}")
+
+
+def test_the_developer_role_is_a_system_turn_for_a_template_that_does_not_know_it(tokenizer: Tokenizer) -> None:
+    strict = Tokenizer(tokenizer._tok, {}, chat_template=STRICT)
+    turns = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert strict.apply_chat_template(turns, add_generation_prompt=False) == "<system>Be brief.<user>hi"
+    # instructions (system) and a developer turn (the Responses API, coding agents): one leading system turn
+    assert strict.apply_chat_template([{"role": "system", "content": "A."}, {"role": "developer", "content": [
+        {"type": "text", "text": "B."}]}, {"role": "user", "content": "hi"}], add_generation_prompt=False) == (
+        "<system>A.\n\nB.<user>hi")
+    # a template that knows the role gets it as sent
+    knows = Tokenizer(tokenizer._tok, {}, chat_template="{% for m in messages %}{% if m.role == 'developer' %}"
+                                                         "[dev]{% endif %}{{ m.content }};{% endfor %}")
+    assert knows.apply_chat_template([{"role": "developer", "content": "x"}], add_generation_prompt=False) == "[dev]x;"
+    with pytest.raises(ChatTemplateError, match="Unexpected message role"):  # other roles still reach the template
+        strict.apply_chat_template([{"role": "wizard", "content": "x"}], add_generation_prompt=False)
