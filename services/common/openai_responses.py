@@ -70,6 +70,13 @@ def _text_of(content: Any, param: str) -> str:
     return "".join(parts)
 
 
+def _parts_text(parts: Any) -> str:
+    """The text of a reasoning item's ``content`` (reasoning_text) or ``summary`` (summary_text) parts."""
+    if not isinstance(parts, list):
+        return ""
+    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """``instructions`` + ``input`` as chat messages: function_call items join the assistant turn before them
     (or make one), function_call_output items become ``role: tool`` turns."""
@@ -85,6 +92,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         return out
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("'input' is required: a string or a non-empty array of input items", "input")
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -95,6 +103,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             if not isinstance(role, str) or role not in _ROLES:
                 raise InvalidRequest(f"'{where}.role' must be one of {sorted(_ROLES)}", f"{where}.role")
             out.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+            if role == "assistant" and reasoning:
+                out[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
             if not (isinstance(call_id, str) and call_id and isinstance(name, str) and name
@@ -102,17 +112,23 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 raise InvalidRequest(f"'{where}' must have string call_id, name and arguments (JSON text)", where)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and not reasoning:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if reasoning:
+                    out[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or not call_id:
                 raise InvalidRequest(f"'{where}.call_id' must be a non-empty string", f"{where}.call_id")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, f"{where}.output")})
         elif kind == "reasoning":
-            continue  # a previous answer's reasoning item sent back: the prompt does not carry it (as vLLM)
+            # a previous answer's reasoning item sent back (an agent's tool loop, replaying output): its text
+            # is the reasoning of the assistant turn that follows, which the chat template keeps or drops by
+            # its own rule (Qwen3's keeps it after the last user turn); encrypted_content is not ours to read
+            # (the full text when the item has it, as ours and vLLM's do, else OpenAI's summary)
+            reasoning = _parts_text(item.get("content")) or _parts_text(item.get("summary"))
         else:
             raise InvalidRequest(f"'{where}.type' {kind!r} is not supported (message, function_call, "
                                  "function_call_output)", f"{where}.type", code="unsupported_parameter")

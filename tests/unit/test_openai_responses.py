@@ -107,3 +107,23 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete_and_a_failure_is_failed(
     failed = f.fail(ErrorInfo(message="engine stopped", code="engine_error", status=503))
     assert failed[-1]["type"] == "response.failed"
     assert failed[-1]["response"]["error"] == {"code": "engine_error", "message": "engine stopped"}
+
+
+def test_a_reasoning_item_sent_back_is_the_reasoning_of_the_assistant_turn_after_it() -> None:
+    """An agent replaying a thinking model's output (reasoning, function_call, function_call_output, then the
+    next turn): the reasoning reaches the chat template with its turn, which keeps it within the tool loop."""
+    parsed = parse_responses({"model": "m", "input": [
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "I should call f."}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Answer now."}],
+         "encrypted_content": "opaque"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+        {"role": "user", "content": "thanks"},
+    ]})
+    turns = parsed.generate.messages or []
+    assert [(m.role, m.reasoning) for m in turns] == [("user", None), ("assistant", "I should call f."),
+                                                      ("tool", None), ("assistant", "Answer now."), ("user", None)]
+    assert [c.name for c in turns[1].tool_calls] == ["f"] and turns[3].content == "Sunny."
