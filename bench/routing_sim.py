@@ -625,12 +625,12 @@ class Ours(Policy):
 
 
 class OursEnergy(Ours):
-    """``ours`` with the energy tie-break on (energy_margin 0.2; the default is off): compare with --busy-watts."""
+    """``ours`` with the energy tie-break on (energy_margin 0.1; the default is off): compare with --busy-watts."""
 
     name = "ours_energy"
 
     def __init__(self, engines: list[Engine], rng: random.Random, gateway: str = GATEWAY_ID) -> None:
-        super().__init__(engines, rng, PoolPolicy(energy_margin=0.2), gateway)
+        super().__init__(engines, rng, PoolPolicy(energy_margin=0.1), gateway)
 
 
 POLICIES: dict[str, type[Policy]] = {

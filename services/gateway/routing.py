@@ -63,6 +63,11 @@ ENERGY_MIN_GAIN = 0.10
 # ... and only to a member at most this loaded: past it, the requests it draws queue behind each other (the
 # simulator's heterogeneous pool: shared @ 0.8 p90 322 -> 612 ms at margin 0.2 without this bound)
 ENERGY_MAX_LOAD = 0.5
+# ... and only while the pool is light, the mean load of its routable members under this: with that bound alone
+# the rule moved requests at load 0.8 too (a member dips under 0.5 now and then), saving nothing there (J/token
+# within 0.5 %) and re-rolling the TTFT p90 of every such cell by up to +33 % (bench/routing_sim.py, 300/300/200/200 W,
+# seed 2: chat @ 0.8 119 -> 159 ms); at 0.25 the cells of load 0.8 and 0.95 route as without it (docs/routing.md §3)
+ENERGY_MAX_POOL_LOAD = 0.25
 
 _NOT_ROUTABLE = frozenset({"down", "stopped", "draining"})
 
@@ -103,9 +108,10 @@ class PoolPolicy:
     prefill_weight: float = 0.5
     api_key_sticky: float = 0.0
     max_pool_share: float = 0.0
-    # off by default: bench/routing_sim.py's heterogeneous pool (300/300/200/200 W, margin 0.2) saves 0.7-4.0 % of the
-    # energy per output token at load 0.5 and nothing at 0.8/0.95, with p90 from -8 to +49 % by cell (shared@0.5
-    # 49 -> 73 ms): an operator trades that latency for energy knowingly (docs/routing.md §3, "Energy tie-break")
+    # off by default: in bench/routing_sim.py's heterogeneous pool (300/300/200/200 W, margin 0.1, seeds 1 and 2) the
+    # rule of _energy_tiebreak keeps every cell's TTFT p90 within +3 % or +5 ms, but lowers J/output-token only where
+    # nothing is shared (unique @ 0.5: -1.9 / -2.1 %); in the sharing cells it moves within the simulation's noise
+    # (-0.7 to +1.6 %, bursts @ 0.5 seed 1 up): no measured saving to turn on for everyone (docs/routing.md §3)
     energy_margin: float = 0.0
 
     def __post_init__(self) -> None:
@@ -201,6 +207,8 @@ class Candidate:
     age_s: float | None = None
     is_stale: bool = False
     is_busy: bool = False
+    has_free_lane: bool = False  # running + booked < lanes and nothing waiting (no lane signal: our in-flight)
+    active: int = 0  # sequences running or booked on it (heartbeat running + booked; no lane signal: our in-flight)
     excluded: str | None = None
 
 
@@ -340,6 +348,8 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
         prefill = policy.prefill_weight * policy.affinity_weight * m.tokens(m.pending_prefill_chars) / full_tokens
         cost = load + in_flight_term + backlog + prefill - saving - pin
         free = None if is_busy else _free_lanes(m, basis, booked, weights)
+        hb = m.heartbeat
+        active = (hb.running or 0) + booked if basis == "heartbeat" and hb is not None else m.in_flight
         if free is not None:
             lanes_of[mid] = free
         sheets[mid] = Candidate(
@@ -348,7 +358,7 @@ def pick(policy: PoolPolicy, weights: RoutingWeights, members: Sequence[MemberSt
             affinity_saving=saving, affinity_guarded=guarded, pin=pin,
             backlog=backlog, pending_prefill=prefill, wait_s=wait_s, saved_s=saved_s,
             joules_per_output_token=m.joules_per_output_token, joules_per_step=m.joules_per_step, age_s=age_s,
-            is_stale=stale[mid], is_busy=is_busy,
+            is_stale=stale[mid], is_busy=is_busy, has_free_lane=free is not None, active=active,
         )
     _weighted_split(policy, [m for m in eligible if m.member_id in lanes_of], lanes_of, sheets)
     if policy.max_pool_share > 0 and pinned is None and not hits:
@@ -434,17 +444,27 @@ def _prefill_saved_s(m: MemberState, matched_chars: int) -> float | None:
 
 
 def _energy_tiebreak(margin: float, ranked: Sequence[Candidate]) -> Candidate | None:
-    """§3 "Energy tie-break": the non-busy member, within ``margin`` of the cheapest's cost, with the lowest
-    measured energy per decode step (J/output-token at a batch of one, fleet.py ``note_energy``), when that is
-    :data:`ENERGY_MIN_GAIN` lower than the cheapest's own; None: the cheapest stays. Only members with a
-    measured figure compete (an unmeasured one is never assumed efficient)."""
+    """§3 "Energy tie-break": the member with the lowest measured energy per decode step (J/output-token at a batch
+    of one, fleet.py ``note_energy``) among those that would serve the request as soon as the cheapest would, when
+    that is :data:`ENERGY_MIN_GAIN` lower than the cheapest's own; None: the cheapest stays. Only while the pool is
+    light (mean load under :data:`ENERGY_MAX_POOL_LOAD`) and the cheapest holds no pin for the session. A member
+    qualifies when it is not busy, its cost is within ``margin`` of the cheapest's, its load under
+    :data:`ENERGY_MAX_LOAD`, it has a free lane and nothing waiting, no more prefill queued than the cheapest, at
+    least the cheapest's cached prefix, is not past max_pool_share, and both it and the cheapest are running
+    something: an idle member pays a whole decode step per token, a running one only the step's growth with one
+    more sequence, and moves between idle members at light load (bursts' off phases) placed prefixes for nothing
+    (bursts @ 0.8, seed 2: p90 +7.3 %). Only members with a measured figure compete (an unmeasured one is never
+    assumed efficient)."""
     if margin <= 0 or len(ranked) < 2 or ranked[0].is_busy or ranked[0].joules_per_step is None:
         return None
     best = ranked[0]
     assert best.cost is not None
+    if best.pin > 0 or best.active == 0 or sum(c.load for c in ranked) / len(ranked) >= ENERGY_MAX_POOL_LOAD:
+        return None
     greener = min((c for c in ranked[1:] if not c.is_busy and c.cost is not None and c.cost <= best.cost + margin
-                   and c.load < ENERGY_MAX_LOAD and c.affinity_saving >= best.affinity_saving
-                   and not c.over_pool_share and c.joules_per_step is not None),
+                   and c.load < ENERGY_MAX_LOAD and c.has_free_lane and c.pending_prefill <= best.pending_prefill
+                   and c.affinity_saving >= best.affinity_saving and not c.over_pool_share
+                   and c.active > 0 and c.joules_per_step is not None),
                   key=lambda c: c.joules_per_step or 0.0, default=None)
     if greener is None or greener.joules_per_step is None:
         return None

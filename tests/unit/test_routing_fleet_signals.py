@@ -231,6 +231,51 @@ def test_the_tie_break_does_not_pile_onto_a_loaded_member() -> None:
     assert pick(policy, W, [a, greener], RouteRequest(), None, None, NOW).member_id == "b"
 
 
+def test_the_tie_break_never_wakes_an_idle_member_to_take_a_request_from_a_running_one() -> None:
+    """An idle member pays a whole decode step per token (10 ms of the simulator's 10 + 0.6 ms/sequence step), a
+    running one only the step's growth with one more sequence: at 2/3 the power, the idle member still costs more."""
+    policy = dataclasses.replace(PLAIN, energy_margin=0.1)
+    running = member(hb("a", running=1), joules_per_step=3.0)  # load 0.75 * 1/8 = 0.09375
+    idle = member(hb("b", kv=0.95), joules_per_step=2.0)  # load 0.10 * 0.95 (KV past 0.9) = 0.095: within 0.1
+    p = pick(policy, W, [running, idle], RouteRequest(), None, None, NOW)
+    assert (sheet(p, "a").cost, sheet(p, "b").cost) == (pytest.approx(0.09375), pytest.approx(0.095))
+    assert (sheet(p, "a").active, sheet(p, "b").active) == (1, 0)
+    assert p.member_id == "a" and p.energy_over is None  # the old rule moved it to the idle "b"
+    busy_too = member(hb("b", running=1, kv=0.95), joules_per_step=2.0)  # running: 0.09375 + 0.095, within 0.1
+    p = pick(policy, W, [running, busy_too], RouteRequest(), None, None, NOW)
+    assert p.member_id == "b" and p.energy_over == "a"
+    idle_too = member(hb("a"), joules_per_step=3.0)  # both idle: nothing to join, the cheapest stays
+    assert pick(policy, W, [idle_too, idle], RouteRequest(), None, None, NOW).member_id == "a"
+
+
+def test_the_tie_break_keeps_a_pinned_session_and_moves_nothing_onto_a_queue_or_queued_prefill() -> None:
+    policy = dataclasses.replace(PLAIN, energy_margin=0.5)
+    a = member(hb("a", running=1), joules_per_step=3.0)
+    pins = PinTable()
+    pins.pin("sess", "a", 99.0)
+    p = pick(policy, W, [a, member(hb("b", running=1), joules_per_step=1.0, in_flight=1)],
+             RouteRequest(session_key="sess"), None, pins, NOW)
+    assert sheet(p, "a").pin == 0.2 and p.member_id == "a"  # the old rule moved the session off its pin
+    waiting = member(hb("b", running=1, waiting=1), joules_per_step=1.0)  # no free lane: 0.75 + 0.15 * 1/4 = 0.7875
+    p = pick(policy, W, [a, waiting], RouteRequest(), None, None, NOW)
+    assert not sheet(p, "b").has_free_lane and p.member_id == "a"
+    # 1,000 characters of prefill queued: 0.5 * 0.6 * 250 / 2,000 tokens = 0.0375 more cost, within the margin
+    queued = member(hb("b", running=1), joules_per_step=1.0, pending_prefill_chars=1000)
+    p = pick(dataclasses.replace(policy, prefill_weight=0.5), W, [a, queued], RouteRequest(), None, None, NOW)
+    assert sheet(p, "b").pending_prefill == pytest.approx(0.5 * 0.6 * 250 / 2000) and p.member_id == "a"
+
+
+def test_the_tie_break_rests_while_the_pool_is_not_light() -> None:
+    """Mean load of the routable members at 0.25 or more: no move (at offered load 0.8 the rule saved nothing and
+    re-rolled the TTFT p90, docs/routing.md §3)."""
+    policy = dataclasses.replace(PLAIN, energy_margin=0.5)
+    a = member(hb("a", running=2), joules_per_step=3.0)  # 0.75 * 2/8 = 0.1875
+    b = member(hb("b", running=2), joules_per_step=1.0, in_flight=1)  # 0.1875, later in the order
+    assert pick(policy, W, [a, b], RouteRequest(), None, None, NOW).member_id == "b"  # mean 0.1875 < 0.25
+    c = member(hb("c", running=6), joules_per_step=3.0)  # 0.5625: mean (0.1875 + 0.1875 + 0.5625) / 3 = 0.3125
+    assert pick(policy, W, [a, b, c], RouteRequest(), None, None, NOW).member_id == "a"
+
+
 # --- many gateways ----------------------------------------------------------------------------------------
 def test_other_replicas_routes_are_booked_until_the_members_heartbeat_holds_them() -> None:
     fleet = Fleet("gw-1")
