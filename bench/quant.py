@@ -10,8 +10,13 @@ after a warm-up run; ``--quick``: the 100m widths with 1 layer, an 8-token promp
 through the model runner on a paged
 KV cache. The GPU side (the Triton GEMMs and the fused-MoE kernel against bf16) is in bench/gpu_bench.py.
 
-Usage: ``python -m bench.quant [--quick] [--shape 100m|tiny] [--tokens N] [--prompt N]``; prints a markdown
-table.
+``--shape moe``: a random Qwen3-MoE checkpoint written by transformers (hidden 256, 2 layers, 16 experts of
+width 256, top 2, vocab 8192 untied; needs the test extras), every expert quantized: per-product keeps the
+experts packed and the torch MoE loop dequantises each active expert for its product. ``--formats a,b``
+runs only the formats whose names start with those prefixes.
+
+Usage: ``python -m bench.quant [--quick] [--shape 100m|tiny|moe] [--formats ...] [--tokens N] [--prompt N]``;
+prints a markdown table.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +41,10 @@ SHAPES = {"tiny": {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_
                    "intermediate_size": 768, "vocab_size": 8192},
           "100m": {"hidden_size": 1024, "num_layers": 8, "num_heads": 16, "num_kv_heads": 8,
                    "intermediate_size": 2048, "vocab_size": 32000, "tie_word_embeddings": True}}
+MOE_SHAPE = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "head_dim": 32, "intermediate_size": 768, "moe_intermediate_size": 256, "num_experts": 16,
+             "num_experts_per_tok": 2, "norm_topk_prob": True, "vocab_size": 8192, "max_position_embeddings": 512,
+             "tie_word_embeddings": False}
 FP8 = {"num_bits": 8, "type": "float"}
 FORMATS: dict[str, tuple[qc.Quantizer, dict[str, object]]] = {
     "fp8 per-channel (CT)": (qc.fp8_channel, qc.ct_config("float-quantized", {**FP8, "strategy": "channel"})),
@@ -74,18 +84,30 @@ def _measure(path: Path, mode: str, num_tokens: int, prompt_len: int) -> tuple[i
     return weights, grown, tok_s
 
 
+def _write_moe(path: Path, shape: dict[str, Any]) -> Path:
+    """A random-weight Qwen3-MoE checkpoint as transformers saves it (names, config keys)."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(**shape, initializer_range=0.2, eos_token_id=None, bos_token_id=None)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=list(SHAPES), default="100m")
+    parser.add_argument("--shape", choices=[*SHAPES, "moe"], default="100m")
+    parser.add_argument("--formats", default="", help="comma-separated name prefixes (default: every format)")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--quick", action="store_true",
                         help="the 100m shape's widths with 1 layer, 4 decode tokens after an 8-token prompt")
     args = parser.parse_args()
-    shape = dict(SHAPES[args.shape])
+    shape: dict[str, object] = dict(MOE_SHAPE if args.shape == "moe" else SHAPES[args.shape])
     if args.quick:
         args.tokens, args.prompt = 4, 8
-        shape["num_layers"] = 1
+        shape["num_hidden_layers" if args.shape == "moe" else "num_layers"] = 1
+    prefixes = tuple(p.strip() for p in args.formats.split(",") if p.strip())
+    formats = {name: f for name, f in FORMATS.items() if not prefixes or name.startswith(prefixes)}
     torch.manual_seed(0)
     started = time.monotonic()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
@@ -95,10 +117,13 @@ def main() -> None:
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        dense = write_tiny_checkpoint(root / "dense", "qwen3", **shape)  # type: ignore[arg-type]
+        if args.shape == "moe":
+            dense = _write_moe(root / "dense", shape)
+        else:
+            dense = write_tiny_checkpoint(root / "dense", "qwen3", **shape)  # type: ignore[arg-type]
         w, grown, tok_s = _measure(dense, "load", args.tokens, args.prompt)
         print(f"| dense fp32 | - | {w / 2**20:.1f} | {grown / 2**20:.1f} | {tok_s:.2f} |", flush=True)
-        for i, (name, (quantizer, config)) in enumerate(FORMATS.items()):
+        for i, (name, (quantizer, config)) in enumerate(formats.items()):
             out = root / f"q{i}"
             qc.quantize_checkpoint(dense, out, root / f"twin{i}", quantizer, config)
             for mode in ("load", "per-product"):

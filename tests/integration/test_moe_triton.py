@@ -1,6 +1,7 @@
 """MoE models on the triton backend (CPU, TRITON_INTERPRET=1): the routed experts run in the fused-MoE kernel,
 dense or, with ``--quant-dequant per-product``, packed and dequantised in the tile; the logits and greedy
-tokens equal the torch backend's on the same checkpoint (experts dequantised at load). Checkpoints are tiny
+tokens equal the torch backend's on the same checkpoint (experts dequantised at load, or kept packed and
+dequantised per expert product by the torch MoE loop). Checkpoints are tiny
 random Qwen2-MoE (shared expert) and Mixtral written by transformers (tests/integration/test_moe_equivalence.py),
 quantized into AWQ and compressed-tensors FP8 by tests/unit/quant_checkpoints.py. Tolerance 1e-3: float32,
 summation order only. Run this file in its own process (triton under the interpreter).
@@ -17,7 +18,6 @@ from tests.triton_interpret import import_interpreted
 
 import_interpreted("services.engine.kernels.fused_moe", "services.engine.model.triton_attention")
 
-from services.engine.errors import ModelLoadError  # noqa: E402
 from services.engine.model.loader import load_model  # noqa: E402
 from services.engine.model.model import MoE  # noqa: E402
 from tests.integration.test_moe_equivalence import _prompts, _variants, _write  # noqa: E402
@@ -68,10 +68,20 @@ def test_the_fused_moe_kernel_serves_what_the_torch_moe_does(tmp_path: Path, var
     assert tokens == ref_tokens
 
 
-def test_packed_experts_on_the_torch_backend_are_refused_naming_the_way_out(tmp_path: Path) -> None:
+def test_packed_experts_give_the_same_logits_on_both_backends(tmp_path: Path) -> None:
+    """AWQ experts kept packed on both backends: the torch MoE loop dequantises each active expert for its
+    product (``MoE.gate_up_parts``), the fused-MoE kernel in the tile (``MoE.gate_up_experts``); same logits
+    (1e-3) and greedy tokens."""
     family, kwargs = _variants()["mixtral"]
     dense = _write(tmp_path / "dense", family, kwargs)
     quantizer, config = QUANT["awq"]
     qc.quantize_checkpoint(dense, tmp_path / "q", tmp_path / "twin", quantizer, config)
-    with pytest.raises(ModelLoadError, match="the triton backend's fused-MoE kernel takes them packed"):
-        load_model(tmp_path / "q", quant_dequant="per-product")
+    prompt = _prompts(4, 1)[0]
+    ref_tokens, ref_logits, torch_model = _run(tmp_path / "q", prompt, None, quant_dequant="per-product")
+    tokens, logits, triton_model = _run(tmp_path / "q", prompt, ref_tokens, backend="triton",
+                                        quant_dequant="per-product")
+    for torch_layer, triton_layer in zip(torch_model.layers, triton_model.layers, strict=True):  # type: ignore[attr-defined]
+        assert torch_layer.mlp.gate_up_parts is not None and torch_layer.mlp.gate_up_experts is None
+        assert triton_layer.mlp.gate_up_experts is not None and triton_layer.mlp.gate_up_parts is None
+    torch.testing.assert_close(logits, ref_logits, atol=1e-3, rtol=1e-3)
+    assert tokens == ref_tokens

@@ -110,6 +110,9 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
     ``per-product``: keep the stored tensors on the layer (fused parts together) and free the dense weight;
     on the ``triton`` backend they are rearranged into the Triton GEMMs' layouts on ``device`` (kernel_weight.py)
     and each product dequantises in the tile (a layer no kernel takes stays on the torch path, logged).
+    MoE experts: on the torch backend every expert (routed and shared, W8A8 too) keeps its stored tensors and
+    the MoE loop dequantises an expert for its product only; on the triton backend the routed experts go to the
+    fused-MoE kernel's layout, while W8A8 routed experts and the shared expert are dequantised here.
     The lm_head, where a checkpoint quantizes it, is always dequantised here (it multiplies once per step).
     """
     layers = quantized_layers(config)
@@ -119,6 +122,7 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
     parts: dict[tuple[int, str], list[PackedPart]] = {}
     expert_parts: dict[tuple[int, str], dict[tuple[int, int], PackedPart]] = {}
     expert_acts: dict[tuple[int, str], set[int | None]] = {}  # (layer, routed | shared) -> activation schemes
+    shared_parts: dict[tuple[int, str], dict[int, PackedPart]] = {}  # (layer, gate_up | down) -> slot -> part
     with ExitStack() as stack:
         handles: dict[str, object] = {}
 
@@ -137,22 +141,17 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
             name = f"{module}.weight"
             shape = cast(tuple[int, int], expected.pop(name))
             is_routed = ".experts." in module
-            is_expert = is_routed or ".shared_expert." in module
+            is_shared = ".shared_expert." in module
+            is_expert = is_routed or is_shared
             if is_expert:
                 expert_acts.setdefault((int(module.split(".")[2]), "routed" if is_routed else "shared"),
                                        set()).add(scheme.act_dynamic_fp8)
-            if is_routed and scheme.act_dynamic_fp8 is not None:
-                # W8A8 experts: the fused-MoE kernel has no FP8-activation path, so they are dequantised at load
-                # and their inputs rounded through dynamic FP8 on the torch path (model.py MoE.act_group)
-                weight = _dequantized(root, scheme, get, module, shape)
-                _destination(model, config, name).copy_(weight.to(dtype))
-                del weight
-                continue
-            if is_routed and mode != "load" and backend != "triton":
-                raise ModelLoadError(str(root), f"{module}: quantized expert weights are dequantised at load only "
-                                                "on the torch backend (use --quant-dequant load; the triton "
-                                                "backend's fused-MoE kernel takes them packed)")
-            if module == "lm_head" or mode == "load" or (is_expert and not is_routed):
+            # On the triton backend the fused-MoE kernel has no FP8-activation path, so W8A8 routed experts are
+            # dequantised at load (their inputs are rounded through dynamic FP8 in the torch loop, MoE.act_group),
+            # and the shared expert is dense; the torch MoE loop takes every expert packed.
+            keeps_packed = mode == "per-product" and module != "lm_head" and (
+                backend == "torch" or not is_expert or (is_routed and scheme.act_dynamic_fp8 is None))
+            if not keeps_packed:
                 weight = _dequantized(root, scheme, get, module, shape)
                 _destination(model, config, name).copy_(weight.to(dtype))
                 del weight
@@ -169,10 +168,16 @@ def _load_quantized(root: Path, files: dict[str, str], config: ModelConfig, quan
                     layer_index, projection, expert, slot = _expert_key(module)
                     expert_parts.setdefault((layer_index, projection), {})[(expert, slot)] = part
                     continue
+                if is_shared:
+                    layer_index, projection, slot = _shared_key(module)
+                    shared_parts.setdefault((layer_index, projection), {})[slot] = part
+                    continue
                 parts.setdefault(_fused_key(module), []).append(part)
             act_groups.setdefault(_fused_key(module), set()).add(scheme.act_dynamic_fp8)
     for (index, projection), by_expert in expert_parts.items():
-        _attach_experts(model, config, index, projection, by_expert, dtype, device)
+        _attach_experts(model, config, index, projection, by_expert, dtype, backend, device)
+    for (index, projection), by_slot in shared_parts.items():
+        _attach_shared_expert(model, config, index, projection, by_slot, dtype)
     for (index, kind), acts in expert_acts.items():
         if len(acts) != 1:
             raise ModelLoadError(str(root), f"layer {index}'s {kind} experts quantize their input differently "
@@ -219,10 +224,12 @@ def _expert_key(module: str) -> tuple[int, str, int, int]:
 
 
 def _attach_experts(model: CausalLM, config: ModelConfig, index: int, projection: str,
-                    by_expert: dict[tuple[int, int], PackedPart], dtype: torch.dtype,
+                    by_expert: dict[tuple[int, int], PackedPart], dtype: torch.dtype, backend: Backend,
                     device: torch.device | None) -> None:
-    """Give layer ``index``'s MoE its ``projection`` experts in the fused-MoE kernel's packed layout and free the
-    dense weight; when not every expert is quantized alike (or no tile fits), dequantise them into it instead."""
+    """Give layer ``index``'s MoE its ``projection`` experts packed and free the dense weight: on the triton
+    backend in the fused-MoE kernel's layout, on the torch one as each expert's stored parts (``MoE.<projection>
+    _parts``, dequantised per product). When not every expert is quantized (or no tile fits), dequantise them into
+    the dense weight instead."""
     moe = cast(DecoderLayer, model.layers[index]).mlp
     assert isinstance(moe, MoE) and config.moe is not None
     num_experts, num_slots = config.moe.num_experts, 2 if projection == "gate_up" else 1
@@ -230,16 +237,43 @@ def _attach_experts(model: CausalLM, config: ModelConfig, index: int, projection
     try:
         if any(k not in by_expert for k in keys):
             raise ValueError("some experts are not quantized")
-        stacked = build_expert_weights([tuple(by_expert[(e, s)] for s in range(num_slots))
-                                        for e in range(num_experts)], device or torch.device("cpu"))
+        per_expert = [tuple(by_expert[(e, s)] for s in range(num_slots)) for e in range(num_experts)]
+        if backend == "triton":
+            setattr(moe, f"{projection}_experts", build_expert_weights(per_expert, device or torch.device("cpu")))
+        else:
+            setattr(moe, f"{projection}_parts", tuple(per_expert))
     except ValueError as exc:
         log.warning("layer %d's %s experts are dequantised at load: %s", index, projection, exc)
         for part in by_expert.values():
             _destination(model, config, f"{part.prefix}.weight").copy_(part.dequantize().to(dtype))
         return
-    setattr(moe, f"{projection}_experts", stacked)
     dense = getattr(moe, f"{projection}_weight")
     setattr(moe, f"{projection}_weight", torch.nn.Parameter(dense.new_empty((0, 0, 0)), requires_grad=False))
+    model.has_quantized_forward = True
+
+
+def _shared_key(module: str) -> tuple[int, str, int]:
+    """``model.layers.<i>.mlp.shared_expert.<proj>`` → (i, "gate_up" | "down", slot)."""
+    parts = module.split(".")
+    projection, slot = {"gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}[parts[5]]
+    return int(parts[2]), projection, slot
+
+
+def _attach_shared_expert(model: CausalLM, config: ModelConfig, index: int, projection: str,
+                          by_slot: dict[int, PackedPart], dtype: torch.dtype) -> None:
+    """Give layer ``index``'s shared expert its ``projection`` stored parts (torch backend, per-product) and free
+    the dense weight; when gate and up are not both quantized, dequantise the quantized one into it instead."""
+    moe = cast(DecoderLayer, model.layers[index]).mlp
+    assert isinstance(moe, MoE)
+    num_slots = 2 if projection == "gate_up" else 1
+    if any(s not in by_slot for s in range(num_slots)):
+        log.warning("layer %d's shared expert %s is dequantised at load: partly quantized", index, projection)
+        for part in by_slot.values():
+            _destination(model, config, f"{part.prefix}.weight").copy_(part.dequantize().to(dtype))
+        return
+    setattr(moe, f"shared_{projection}_parts", tuple(by_slot[s] for s in range(num_slots)))
+    dense = getattr(moe, f"shared_{projection}_weight")
+    setattr(moe, f"shared_{projection}_weight", torch.nn.Parameter(dense.new_empty((0, 0)), requires_grad=False))
     model.has_quantized_forward = True
 
 

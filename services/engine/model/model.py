@@ -30,7 +30,7 @@ from services.engine.kernels.backend import Backend
 from services.engine.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from services.engine.model.kv_cache import KVCache
 from services.engine.model.model_config import ModelConfig
-from services.engine.model.quant.linear import QuantizedLinear, fp8_quant_dequant
+from services.engine.model.quant.linear import PackedPart, QuantizedLinear, dequantize_parts, fp8_quant_dequant
 
 # oneDNN's fp32 GEMM (the kernel inductor picks on CPU) against MKL's, which F.linear calls: on the bench
 # machine (AMD EPYC, 2 cores) oneDNN is 1.5-2.8x faster for every step-sized shape except one-row products
@@ -285,6 +285,11 @@ class MLP(nn.Module):
         return qlinear(ka.silu_and_mul(gate_up), self.down_weight, None, self.down_quant)
 
 
+def _weight(dense: torch.Tensor, parts: tuple[PackedPart, ...] | None) -> torch.Tensor:
+    """``dense`` itself, or ``parts`` dequantised now into its dtype (``dense`` is then empty)."""
+    return dense if parts is None else dequantize_parts(parts, dense)
+
+
 def _act_fp8(x: torch.Tensor, group: int | None) -> torch.Tensor:
     """``x`` itself, or rounded through dynamic FP8 (a W8A8 product's input; ``group`` 0: per token)."""
     return x if group is None else fp8_quant_dequant(x, group)
@@ -314,6 +319,13 @@ class MoE(nn.Module):
         # --quant-dequant per-product; the dense gate_up_weight / down_weight are then empty
         self.gate_up_experts: Any = None
         self.down_experts: Any = None
+        # the torch backend's packed experts (--quant-dequant per-product): expert e's stored parts ((gate, up) or
+        # (down,)), dequantised for its product only when a token is routed to it; the dense gate_up_weight /
+        # down_weight are then empty. The shared expert's likewise (its fused gate/up parts, its down part).
+        self.gate_up_parts: tuple[tuple[PackedPart, ...], ...] | None = None
+        self.down_parts: tuple[tuple[PackedPart, ...], ...] | None = None
+        self.shared_gate_up_parts: tuple[PackedPart, ...] | None = None
+        self.shared_down_parts: tuple[PackedPart, ...] | None = None
         # W8A8 experts (the loader, from the checkpoint's input_activations): every expert product's input is
         # rounded through dynamic per-token FP8 (0: one scale per token; else per group of that width) first
         self.act_group: int | None = None
@@ -332,26 +344,33 @@ class MoE(nn.Module):
         if self.shared_gate_up_weight is not None and self.shared_down_weight is not None \
                 and self.shared_gate_weight is not None:
             g = self.shared_act_group
-            gate, up = linear(_act_fp8(x, g), self.shared_gate_up_weight).chunk(2, dim=-1)
-            shared = linear(_act_fp8(F.silu(gate) * up, g), self.shared_down_weight)
+            gate, up = linear(_act_fp8(x, g), _weight(self.shared_gate_up_weight, self.shared_gate_up_parts)
+                              ).chunk(2, dim=-1)
+            shared = linear(_act_fp8(F.silu(gate) * up, g), _weight(self.shared_down_weight, self.shared_down_parts))
             out = out + torch.sigmoid(F.linear(x, self.shared_gate_weight)) * shared
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         out = torch.zeros_like(x)
-        # token groups: one product pair per expert that any token of the step picked
+        # token groups: one product pair per expert that any token of the step picked (with packed experts, only
+        # those experts are dequantised, one at a time)
         for expert in torch.unique(experts).tolist():
             rows, slot = torch.where(experts == expert)
-            gate, up = F.linear(_act_fp8(x[rows], self.act_group), self.gate_up_weight[expert]).chunk(2, dim=-1)
-            y = F.linear(_act_fp8(F.silu(gate) * up, self.act_group), self.down_weight[expert])
+            gate_up_weight = self.gate_up_weight[expert] if self.gate_up_parts is None \
+                else dequantize_parts(self.gate_up_parts[expert], self.gate_up_weight)
+            gate, up = F.linear(_act_fp8(x[rows], self.act_group), gate_up_weight).chunk(2, dim=-1)
+            down_weight = self.down_weight[expert] if self.down_parts is None \
+                else dequantize_parts(self.down_parts[expert], self.down_weight)
+            y = F.linear(_act_fp8(F.silu(gate) * up, self.act_group), down_weight)
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return self.shared(x, out)
 
     def forward_triton(self, h: torch.Tensor) -> torch.Tensor:
         """The routed experts in one fused-MoE kernel launch per projection (kernels/fused_moe.py), on the
         experts' dense weights or, where the loader kept them quantized, their packed form."""
-        if self.act_group is not None:  # the fused kernel has no FP8-activation path: the torch experts (dequantised)
+        if self.act_group is not None or self.gate_up_parts is not None or self.down_parts is not None:
+            # the fused kernel has no FP8-activation path (W8A8 experts), nor takes the torch per-product parts
             return self.forward(h)
         from services.engine.kernels.fused_moe import ExpertWeights, fused_moe
 
@@ -591,6 +610,11 @@ class CausalLM(nn.Module):
             for quant in (attn.qkv_quant, attn.o_quant, *mlp_quant):
                 if quant is not None and quant.parts is not None:
                     total += sum(part.num_bytes for part in quant.parts)
+            if isinstance(mlp, MoE):
+                for by_expert in (mlp.gate_up_parts, mlp.down_parts):
+                    total += sum(part.num_bytes for parts in by_expert or () for part in parts)
+                for parts in (mlp.shared_gate_up_parts, mlp.shared_down_parts):
+                    total += sum(part.num_bytes for part in parts or ())
         return total
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,14 @@ Two independent parts, both optional:
   FP8 GEMM would see it, then multiplied in the compute dtype (the reference of the tensor-core path).
 * ``kernel``: on the triton backend with ``per-product``, the parts in the Triton GEMMs' layouts
   (kernel_weight.py): the product dequantises in the tile, and W8A8 multiplies fp8 by fp8.
+
+:func:`dequantize_parts` is the one per-product dequantisation, shared with the torch MoE loop, whose
+experts keep their parts per expert (model.py ``MoE.gate_up_parts``) rather than a QuantizedLinear each.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,13 +65,17 @@ class QuantizedLinear:
 
     def weight(self, dense: torch.Tensor) -> torch.Tensor:
         """The weight to multiply by: ``dense`` itself, or the stored parts dequantised now, in its dtype."""
-        if self.parts is None:
-            return dense
-        pieces = [part.dequantize() for part in self.parts]
-        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(device=dense.device, dtype=dense.dtype)
+        return dense if self.parts is None else dequantize_parts(self.parts, dense)
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.act_group is None else fp8_quant_dequant(x, self.act_group)
+
+
+def dequantize_parts(parts: Sequence[PackedPart], like: torch.Tensor) -> torch.Tensor:
+    """``parts`` dequantised and concatenated along the output dimension (fused q/k/v, gate/up), in ``like``'s
+    dtype and on its device: the transient dense weight of one product (a layer's, or one expert's)."""
+    pieces = [part.dequantize() for part in parts]
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(device=like.device, dtype=like.dtype)
 
 
 def fp8_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
