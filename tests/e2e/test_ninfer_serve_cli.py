@@ -34,7 +34,7 @@ def test_convert_then_serve_the_single_file_artifact_with_the_runbook_flags(tiny
             card = json.load(r)["data"][0]
         assert card["id"] == "qwen3.8-27b" and card["max_model_len"] == 2048
         req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
-            {"model": "qwen3.8-27b", "prompt": "hello", "max_tokens": 3}).encode(),
+            {"model": "qwen3.8-27b", "prompt": "hello", "max_tokens": 3, "ignore_eos": True}).encode(),
             headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req) as r:
             assert json.load(r)["usage"]["completion_tokens"] == 3
