@@ -16,9 +16,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Build the engine's compiled CPU kernels once, before any test starts an engine.
 
     The build (35-80 s, minutes on a loaded 2-core machine) otherwise happens inside the first engine a test
-    starts, under that test's start-up wait: a fresh clone's first e2e engine missed its 240 s wait that way
-    while other work loaded the machine. Here it runs before any test clock starts; every engine after it,
-    in-process or a subprocess of the same environment, loads the built module.
+    starts, under that test's start-up wait (240 s for the e2e engines) and its pytest timeout. Here it runs
+    before any test clock starts; every engine after it, in-process or a subprocess of the same environment,
+    loads the built module.
     """
     from services.engine.kernels import cpu_kernels
 
