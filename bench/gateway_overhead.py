@@ -1,35 +1,47 @@
-"""Gateway overhead (issue #5): a null engine called directly vs through the gateway (and LiteLLM's proxy).
+"""Gateway overhead (issue #5): a null upstream called directly vs through the gateway (and LiteLLM's proxy).
 
 One run, all on loopback:
 
-* a **null engine** (aiohttp, OpenAI-compatible, in its own process: this file with ``--serve-null``) that
-  answers ``/v1/chat/completions`` at once: non-streaming JSON with ``usage``; streaming 16 SSE content
-  chunks (the last with ``finish_reason``), a usage chunk (``stream_options.include_usage``) and ``[DONE]``;
+* the null upstreams (``--upstreams``, default both):
+
+  - ``aiohttp``: a **null engine** (aiohttp, OpenAI-compatible, in its own process: this file with
+    ``--serve-null``) that answers ``/v1/chat/completions`` at once: non-streaming JSON with ``usage``;
+    streaming 16 SSE content chunks (the last with ``finish_reason``), a usage chunk
+    (``stream_options.include_usage``) and ``[DONE]``. It costs about as much CPU per request as the
+    gateway's own upstream side;
+  - ``nginx``: the same answers in vLLM's exact shapes, as fixed bodies from one nginx worker
+    (bench/null_nginx.py): ~10 µs of CPU per request, so on a small host the CPU goes to the gateway. When
+    nginx is missing the run says how to install it and skips those cells;
+
 * a ``nats-server`` (JetStream) and the **gateway** (``python -m services.gateway``) with a pools file whose
-  one pool ``null`` has the null engine as its only HTTP member (so every request also publishes a usage
-  record to JetStream, as in production);
+  pools have the null upstreams as their only HTTP members (so every request also publishes a usage record
+  to JetStream, as in production);
 * optionally **LiteLLM's proxy** (``litellm --config … --num_workers K``, ``--litellm-workers``, default 1;
   master key, no database,
-  ``LITELLM_LOCAL_MODEL_COST_MAP=True``, model ``openai/null`` with ``api_base`` = the null engine), when
-  the ``litellm`` command is installed (``pip install 'litellm[proxy]'``). If it is missing or does not
+  ``LITELLM_LOCAL_MODEL_COST_MAP=True``, model ``openai/null`` with ``api_base`` = the aiohttp null engine),
+  when the ``litellm`` command is installed (``pip install 'litellm[proxy]'``). If it is missing or does not
   start, the output says so and no LiteLLM figure is printed.
 
 Load: ``wrk`` (closed loop, 1 thread, N connections, fixed duration per cell, POST body from a Lua script;
-the percentiles come from wrk's own histogram) when it is on PATH, else an aiohttp client in a separate
-process with the same fixed duration. The output names the one used. For each target x {non-streaming,
-streaming} x concurrency {1, 16, 64}: requests/s, latency p50/p99 (whole response, stream included), and
-the added latency p50/p99 (target minus direct at the same concurrency and mode). A short warm-up precedes
-each target x mode.
+the percentiles come from wrk's own histogram) when it is on PATH (``apt-get install -y wrk``), else an
+aiohttp client in a separate process with the same fixed duration. The output names the one used. For each
+upstream x target x {non-streaming, streaming} x concurrency {1, 16, 64}: requests/s, latency p50/p99 (whole
+response, stream included), and the added latency p50/p99 (target minus direct at the same concurrency and
+mode). A short warm-up precedes each target x mode. Each cell also counts the CPU every process group used
+(gateway with its workers, upstream, nats-server, load generator) per request: the table that says where a
+2-core host's CPU went.
 
 The gateway is measured once per ``--workers`` count (default 1 and one per core: ``llmgw gateway
---workers``), one gateway at a time. Open-loop cells (their own process, requests sent on a fixed schedule):
-``--rate`` req/s offered to the direct engine and each gateway, and an **overload** cell per gateway and mode at
-2x the best closed-loop req/s that gateway reached in this run. They report served req/s, the explicit 503s
-(the gateway's overload answer) apart from every other failure, and the served requests' p50/p99. A peer that
-serves 0 req/s (a stalled LiteLLM) gives "n/a" ratios, never a crash.
+--workers``), one gateway at a time. Open-loop cells (bench/open_loop.py in its own process, requests due on
+a fixed schedule): ``--rate`` req/s offered to each direct upstream and each gateway, and an **overload**
+cell per gateway, upstream and mode at 2x the best closed-loop req/s that gateway reached in this run. They
+report served req/s, the explicit 503s (the gateway's overload answer) apart from every other failure, the
+served requests' p50/p99, and how late the client itself wrote its requests. A peer that serves 0 req/s (a
+stalled LiteLLM) gives "n/a" ratios, never a crash.
 
     .venv/bin/python bench/gateway_overhead.py [--quick] [--duration 5] [--concurrency 1,16,64] [--workers 1,2]
-                                              [--rate 1000] [--no-litellm]
+                                              [--upstreams aiohttp,nginx] [--rate 1000] [--no-litellm]
+                                              [--max-in-flight N] [--open-loop-connections 512]
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ import json
 import os
 import platform
 import queue
+import resource
 import shutil
 import signal
 import socket
@@ -49,10 +62,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+try:
+    from bench import null_nginx
+except ImportError:  # run as a script: bench/ is on sys.path, not the repository
+    import null_nginx  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -64,6 +83,9 @@ MAX_DURATION_S = 120.0
 # the open-loop client's connections: requests due beyond that many open ones wait in the client, and that
 # wait counts in their latency (from the due time); the gateway sees at most this many in flight
 OPEN_LOOP_CONNECTIONS = 512
+UPSTREAMS = {"aiohttp": "the Python null engine (aiohttp, this file's --serve-null)",
+             "nginx": "nginx with fixed bodies (bench/null_nginx.py)"}
+NGINX_JSON_POOL, NGINX_STREAM_POOL = "null-nginx", "null-nginx-sse"  # nginx cannot branch on a body: a pool per mode
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -174,31 +196,6 @@ class _Recorder:
         print("RESULT " + json.dumps({"requests": len(lat) + self.errors, "duration_s": duration_s,
                                       "errors": self.errors, "shed": self.shed, "failures": self.failures,
                                       "p50_us": pct(50), "p99_us": pct(99)}), flush=True)
-
-
-def serve_rate(url: str, body: str, rate: float, duration: float, headers_json: str) -> None:
-    """Open loop: request i is due at t0 + i/rate whether or not earlier ones finished; its latency runs
-    from when it was due (so a stall is charged to every request it delayed: no coordinated omission)."""
-    import asyncio
-
-    import aiohttp
-
-    recorder = _Recorder(url, body, headers_json)
-
-    async def main() -> None:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=OPEN_LOOP_CONNECTIONS)) as session:
-            tasks = []
-            t0 = time.perf_counter() + 0.05
-            for i in range(int(rate * duration)):
-                due = t0 + i / rate
-                delay = due - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(recorder.post(session, due)))
-            await asyncio.gather(*tasks)
-            recorder.print_result(time.perf_counter() - t0)
-
-    asyncio.run(main())
 
 
 def serve_load(url: str, body: str, concurrency: int, duration: float, headers_json: str) -> None:
@@ -325,6 +322,10 @@ class Cell:
     shed: int = 0  # explicit 503s (with Retry-After): the gateway's overload answer
     failures: dict[str, int] = dataclasses.field(default_factory=dict)  # open-loop cells: failures by kind
     offered_rps: float = 0.0  # open-loop cells: the rate requests were sent at
+    upstream: str = "aiohttp"  # the null upstream behind the target (UPSTREAMS)
+    late_p99_ms: float = float("nan")  # open-loop cells: the client's own lag (bench/open_loop.py)
+    late_max_ms: float = float("nan")
+    cpu_us: dict[str, float] = dataclasses.field(default_factory=dict)  # CPU µs per request, by process group
 
     @property
     def other_failures(self) -> int:
@@ -332,8 +333,8 @@ class Cell:
         return self.errors - self.shed
 
 
-def request_body(stream: bool) -> dict:
-    body: dict = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": STREAM_CHUNKS}
+def request_body(stream: bool, model: str = MODEL) -> dict:
+    body: dict = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": STREAM_CHUNKS}
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -355,14 +356,79 @@ def lua_script(path: Path, body: dict, headers: dict[str, str]) -> None:
     )
 
 
-def run_load(tool: str, url: str, stream: bool, concurrency: int, duration: int, headers: dict[str, str],
+@dataclass
+class Target:
+    """What a cell loads: its name in the tables, its upstream kind, the URLs and models of its two modes."""
+
+    name: str
+    upstream: str
+    json_url: str
+    stream_url: str
+    json_model: str = MODEL
+    stream_model: str = MODEL
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    # process groups whose CPU is counted per request (name -> the pids, looked up when a cell starts)
+    processes: dict[str, Callable[[], list[int]]] = dataclasses.field(default_factory=dict)
+
+    def url(self, stream: bool) -> str:
+        return self.stream_url if stream else self.json_url
+
+    def body(self, stream: bool) -> dict:
+        return request_body(stream, self.stream_model if stream else self.json_model)
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of a live process, seconds (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def with_descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (a gateway's workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+class CpuMeter:
+    """CPU seconds each process group of a target used over one load run; the load generator's own (this
+    process's waited-for children: wrk or the aiohttp client) comes from ``RUSAGE_CHILDREN``."""
+
+    def __init__(self, target: Target) -> None:
+        self.pids = {group: find() for group, find in target.processes.items()}
+        self.start = {group: sum(cpu_s(p) for p in pids) for group, pids in self.pids.items()}
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.start_load = usage.ru_utime + usage.ru_stime
+
+    def us_per_request(self, num_requests: int) -> dict[str, float]:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        spent = {group: sum(cpu_s(p) for p in pids) - self.start[group] for group, pids in self.pids.items()}
+        spent["load generator"] = usage.ru_utime + usage.ru_stime - self.start_load
+        return {group: s / num_requests * 1e6 for group, s in spent.items()} if num_requests else {}
+
+
+def run_load(tool: str, target: Target, stream: bool, concurrency: int, duration: int,
              work: Path) -> tuple[int, float, int, float, float]:
     """(requests, seconds, errors, p50_us, p99_us) of one closed-loop run."""
-    body = request_body(stream)
+    body = target.body(stream)
+    url = target.url(stream)
     timeout = duration + 60
     if tool == "wrk":
-        script = work / f"load_{'s' if stream else 'n'}_{abs(hash(tuple(headers.items())))}.lua"
-        lua_script(script, body, headers)
+        tag = abs(hash((url, json.dumps(body), *target.headers.items())))
+        script = work / f"load_{'s' if stream else 'n'}_{tag}.lua"
+        lua_script(script, body, target.headers)
         out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{duration}s", "--timeout", "30s",
                               "-s", str(script), url], capture_output=True, text=True, timeout=timeout)
         line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -373,7 +439,7 @@ def run_load(tool: str, url: str, stream: bool, concurrency: int, duration: int,
         errors = sum(int(x) for x in f[3:8])
         return reqs, dur_us / 1e6, errors, float(f[8]), float(f[9])
     out = subprocess.run([PY, __file__, "--serve-load", url, json.dumps(body), str(concurrency), str(duration),
-                          json.dumps(headers)], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                          json.dumps(target.headers)], capture_output=True, text=True, timeout=timeout, cwd=REPO)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"load generator failed: {out.stdout}\n{out.stderr}")
@@ -381,18 +447,19 @@ def run_load(tool: str, url: str, stream: bool, concurrency: int, duration: int,
     return r["requests"], r["duration_s"], r["errors"], r["p50_us"], r["p99_us"]
 
 
-def run_rate(url: str, stream: bool, rate: float, duration: int, headers: dict[str, str]) -> Cell:
-    """One open-loop fixed-rate run (its own process, so its CPU is not the gateway's)."""
-    out = subprocess.run([PY, __file__, "--serve-rate", url, json.dumps(request_body(stream)), str(rate),
-                          str(duration), json.dumps(headers)], capture_output=True, text=True,
-                         timeout=duration + 120, cwd=REPO)
+def run_rate(target: Target, stream: bool, rate: float, duration: int, connections: int) -> Cell:
+    """One open-loop fixed-rate run (bench/open_loop.py in its own process, so its CPU is not the gateway's)."""
+    out = subprocess.run([PY, str(REPO / "bench" / "open_loop.py"), target.url(stream),
+                          json.dumps(target.body(stream)), str(rate), str(duration), json.dumps(target.headers),
+                          str(connections)], capture_output=True, text=True, timeout=duration + 120, cwd=REPO)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
-        raise RuntimeError(f"rate generator failed: {out.stdout}\n{out.stderr}")
+        raise RuntimeError(f"open-loop generator failed: {out.stdout}\n{out.stderr}")
     r = json.loads(line[7:])
-    return Cell("", stream, 0, per_s(r["requests"] - r["errors"], r["duration_s"]), r["p50_us"] / 1000,
+    return Cell(target.name, stream, 0, per_s(r["requests"] - r["errors"], r["duration_s"]), r["p50_us"] / 1000,
                 r["p99_us"] / 1000, r["errors"], r["requests"], shed=r.get("shed", 0), offered_rps=rate,
-                failures=r.get("failures", {}))
+                failures=r.get("failures", {}), upstream=target.upstream, late_p99_ms=r["late_p99_ms"],
+                late_max_ms=r["late_max_ms"])
 
 
 def per_s(count: float, seconds: float) -> float:
@@ -405,17 +472,17 @@ def ratio_text(num: float, den: float, what: str) -> str:
     return f"{num / den:.1f}x" if den > 0 else f"n/a ({what} served 0 req/s)"
 
 
-def check_target(name: str, base: str, headers: dict[str, str]) -> None:
+def check_target(target: Target) -> None:
     """One request of each mode, checked, before any timing (a broken path must not look fast)."""
-    status, raw = http_post(base + "/v1/chat/completions", request_body(False), headers)
+    status, raw = http_post(target.url(False), target.body(False), target.headers)
     if status != 200 or json.loads(raw)["choices"][0]["message"]["content"] != "x" * STREAM_CHUNKS:
-        raise RuntimeError(f"{name}: non-streaming check failed: {status} {raw[:300]!r}")
-    status, raw = http_post(base + "/v1/chat/completions", request_body(True), headers)
+        raise RuntimeError(f"{target.name}: non-streaming check failed: {status} {raw[:300]!r}")
+    status, raw = http_post(target.url(True), target.body(True), target.headers)
     events = [ln[6:] for ln in raw.decode().splitlines() if ln.startswith("data: ")]
     text = "".join((json.loads(e)["choices"] or [{}])[0].get("delta", {}).get("content") or ""
                    for e in events if e != "[DONE]")
     if status != 200 or events[-1:] != ["[DONE]"] or text != "x" * STREAM_CHUNKS:
-        raise RuntimeError(f"{name}: streaming check failed: {status} {raw[:300]!r}")
+        raise RuntimeError(f"{target.name}: streaming check failed: {status} {raw[:300]!r}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -454,7 +521,9 @@ def start_litellm(null_url: str, work: Path, procs: list[Proc], num_workers: int
             return None, f"LiteLLM: did not start (exit {proc.p.returncode}): {proc.tail(5)!r} — no LiteLLM figures."
         if http_get_ok(base + "/health/liveliness"):
             try:
-                check_target("litellm", base, {"Authorization": f"Bearer {LITELLM_KEY}"})
+                path = base + "/v1/chat/completions"
+                check_target(Target("litellm", "aiohttp", path, path,
+                                    headers={"Authorization": f"Bearer {LITELLM_KEY}"}))
             except Exception as exc:
                 return None, f"LiteLLM: started but the check request failed ({exc}) — no LiteLLM figures."
             version = "?"
@@ -483,12 +552,17 @@ def main() -> None:
     ap.add_argument("--load", choices=["auto", "wrk", "aiohttp"], default="auto")
     ap.add_argument("--serve-null", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--serve-load", nargs=5, metavar="X", help=argparse.SUPPRESS)
-    ap.add_argument("--serve-rate", nargs=5, metavar="X", help=argparse.SUPPRESS)
+    ap.add_argument("--upstreams", default=",".join(UPSTREAMS),
+                    help="null upstreams to measure behind the gateway, comma-separated (default: aiohttp,nginx): "
+                         "aiohttp = the Python null engine below; nginx = fixed bodies from nginx "
+                         "(bench/null_nginx.py; skipped with a line saying how to install it when missing)")
+    ap.add_argument("--open-loop-connections", type=int, default=OPEN_LOOP_CONNECTIONS,
+                    help=f"connections the open-loop client opens (default {OPEN_LOOP_CONNECTIONS})")
     ap.add_argument("--rate", type=float, default=1000.0,
                     help="open-loop rate for the fixed-rate cells (req/s; default 1000; 0 skips them)")
     ap.add_argument("--max-in-flight", type=int, default=None,
                     help="the gateways' --max-in-flight (open requests per worker before an immediate 503; default: "
-                         "the gateway's own). The open-loop client holds at most 512 connections")
+                         "the gateway's own). The open-loop client holds at most --open-loop-connections")
     ap.add_argument("--max-loop-lag", type=float, default=None, metavar="SECONDS",
                     help="the gateways' --max-loop-lag (event-loop lag, sustained, before an immediate 503; default: "
                          "the gateway's own)")
@@ -498,10 +572,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.serve_null is not None:
         serve_null(args.serve_null)
-        return
-    if args.serve_rate:
-        url, body, rate, dur, hdrs = args.serve_rate
-        serve_rate(url, body, float(rate), float(dur), hdrs)
         return
     if args.serve_load:
         url, body, conc, dur, hdrs = args.serve_load
@@ -524,7 +594,10 @@ def main() -> None:
         ap.error("--workers values must be at least 1")
     tool = ("wrk" if shutil.which("wrk") else "aiohttp") if args.load == "auto" else args.load
     if tool == "wrk" and not shutil.which("wrk"):
-        ap.error("wrk not on PATH")
+        ap.error("wrk not on PATH (apt-get install -y wrk)")
+    upstreams = [u.strip() for u in args.upstreams.split(",") if u.strip()]
+    if not upstreams or any(u not in UPSTREAMS for u in upstreams):
+        ap.error(f"--upstreams takes {', '.join(UPSTREAMS)}")
 
     # SIGTERM/SIGHUP → normal exit through the finally below.
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -535,13 +608,11 @@ def main() -> None:
     rate_cells: list[Cell] = []
     overload_cells: list[Cell] = []
     notes: list[str] = []
+    if tool != "wrk":
+        notes.append("wrk not found: `apt-get install -y wrk` for the cheaper closed-loop client (aiohttp used).")
     with tempfile.TemporaryDirectory(prefix="gw-overhead-") as tmp:
         work = Path(tmp)
         try:
-            null = Proc("null-engine", [PY, __file__, "--serve-null", "0"], work)
-            procs.append(null)
-            null_url = null.wait_line("null engine ready:", 60).split()[-1]
-
             nats_port = free_port()
             (work / "nats").mkdir()
             nats = Proc("nats-server", [str(Path(PY).parent / "nats-server"), "-a", "127.0.0.1", "-p",
@@ -556,48 +627,94 @@ def main() -> None:
                     raise RuntimeError("nats-server did not start:\n" + nats.tail())
                 time.sleep(0.1)
 
+            directs: list[Target] = []
+            pools_entries: dict[str, dict] = {}
+            if "aiohttp" in upstreams:
+                null = Proc("null-engine", [PY, __file__, "--serve-null", "0"], work)
+                procs.append(null)
+                null_url = null.wait_line("null engine ready:", 60).split()[-1]
+                directs.append(Target("direct", "aiohttp", null_url + "/v1/chat/completions",
+                                      null_url + "/v1/chat/completions",
+                                      processes={"upstream": lambda p=null.p.pid: [p]}))
+                pools_entries[MODEL] = {"members": [{"model_id": MODEL, "backend": null_url}]}
+            if "nginx" in upstreams:
+                exe = null_nginx.nginx_path()
+                if exe is None:
+                    print(null_nginx.INSTALL_HINT, flush=True)
+                    notes.append(null_nginx.INSTALL_HINT + " — no nginx cells.")
+                else:
+                    ngx_dir = work / "nginx"
+                    ngx_dir.mkdir()
+                    ngx_port = free_port()
+                    (ngx_dir / "nginx.conf").write_text(null_nginx.config(ngx_dir, ngx_port, MODEL, STREAM_CHUNKS))
+                    ngx = Proc("nginx", [exe, "-c", str(ngx_dir / "nginx.conf"), "-e", str(ngx_dir / "error.log")],
+                               work)
+                    procs.append(ngx)
+                    ngx_url = f"http://127.0.0.1:{ngx_port}"
+                    deadline = time.monotonic() + 15
+                    while not http_get_ok(ngx_url + "/v1/models"):
+                        if time.monotonic() > deadline or ngx.p.poll() is not None:
+                            raise RuntimeError("nginx did not start:\n" + ngx.tail())
+                        time.sleep(0.1)
+                    directs.append(Target("direct", "nginx", ngx_url + "/v1/chat/completions",
+                                          ngx_url + "/sse/v1/chat/completions",
+                                          processes={"upstream": lambda p=ngx.p.pid: with_descendants(p)}))
+                    pools_entries[NGINX_JSON_POOL] = {"members": [{"model_id": MODEL, "backend": ngx_url}]}
+                    pools_entries[NGINX_STREAM_POOL] = {"members": [{"model_id": MODEL,
+                                                                     "backend": ngx_url + "/sse"}]}
+                    notes.append(f"nginx {nginx_version(exe)}: one worker process, fixed bodies "
+                                 "(bench/null_nginx.py).")
+            if not directs:
+                raise RuntimeError("no upstream to measure")
+            nats_proc = {"nats-server": lambda: [nats.p.pid]}
+            for d in directs:
+                d.processes.update(nats_proc)
+                check_target(d)
+
             pools = work / "pools.json"
             # one API key carries all the load: its open-requests cap (gateway.max_concurrent_per_key, 64 by
             # default, a 429 beyond) would otherwise be what the open-loop cells measure, not the gateway
-            pools.write_text(json.dumps({"gateway": {"max_concurrent_per_key": 100_000}, "model_pools": {MODEL: {
-                "members": [{"model_id": MODEL, "backend": null_url}]}}}))
+            pools.write_text(json.dumps({"gateway": {"max_concurrent_per_key": 100_000},
+                                         "model_pools": pools_entries}))
             nats_url = f"nats://127.0.0.1:{nats_port}"
-            check_target("direct", null_url, {})
 
             lite_url: str | None = None
-            if args.no_litellm:
-                notes.append("LiteLLM: skipped (--no-litellm) — no LiteLLM figures.")
+            if args.no_litellm or "aiohttp" not in upstreams:
+                notes.append("LiteLLM: skipped (--no-litellm, or no aiohttp upstream) — no LiteLLM figures.")
             else:
                 lite_url, note = start_litellm(null_url, work, procs, args.litellm_workers)
                 notes.append(note)
 
-            num_targets = 1 + len(worker_counts) + (1 if lite_url else 0)
+            num_targets = len(directs) * (1 + len(worker_counts)) + (1 if lite_url else 0)
             bar = tqdm(total=num_targets * 2 * len(concurrencies), desc="cells", unit="cell")
 
-            def closed_loop(name: str, base: str, hdrs: dict[str, str]) -> None:
+            def closed_loop(target: Target) -> None:
                 for stream in (False, True):
-                    url = base + "/v1/chat/completions"
-                    run_load(tool, url, stream, max(concurrencies), warmup, hdrs, work)  # warm-up
+                    run_load(tool, target, stream, max(concurrencies), warmup, work)  # warm-up
                     for conc in concurrencies:
-                        bar.set_postfix_str(f"{name} {'stream' if stream else 'json'} c={conc}")
-                        reqs, secs, errors, p50, p99 = run_load(tool, url, stream, conc, duration, hdrs, work)
-                        cells.append(Cell(name, stream, conc, per_s(reqs - errors, secs), p50 / 1000, p99 / 1000,
-                                          errors, reqs))
+                        bar.set_postfix_str(f"{target.name} ({target.upstream}) {'stream' if stream else 'json'} "
+                                            f"c={conc}")
+                        meter = CpuMeter(target)
+                        reqs, secs, errors, p50, p99 = run_load(tool, target, stream, conc, duration, work)
+                        cells.append(Cell(target.name, stream, conc, per_s(reqs - errors, secs), p50 / 1000,
+                                          p99 / 1000, errors, reqs, upstream=target.upstream,
+                                          cpu_us=meter.us_per_request(reqs)))
                         bar.update()
 
-            def open_loop(name: str, base: str, hdrs: dict[str, str], overload: bool) -> None:
+            def open_loop(target: Target, overload: bool) -> None:
                 for stream in (False, True):
                     if args.rate > 0:  # the issue's latency target is stated at a fixed offered rate
-                        cell = run_rate(base + "/v1/chat/completions", stream, args.rate, duration, hdrs)
-                        rate_cells.append(dataclasses.replace(cell, target=name))
+                        rate_cells.append(run_rate(target, stream, args.rate, duration, args.open_loop_connections))
                     if overload:  # 2x what this target served at its best, closed loop, in this run
-                        capacity = max((c.rps for c in cells if c.target == name and c.stream == stream), default=0)
+                        capacity = max((c.rps for c in cells if c.target == target.name and c.stream == stream
+                                        and c.upstream == target.upstream), default=0)
                         if capacity > 0:
-                            cell = run_rate(base + "/v1/chat/completions", stream, 2 * capacity, duration, hdrs)
-                            overload_cells.append(dataclasses.replace(cell, target=name))
+                            overload_cells.append(run_rate(target, stream, 2 * capacity, duration,
+                                                           args.open_loop_connections))
 
-            closed_loop("direct", null_url, {})
-            open_loop("direct", null_url, {}, overload=False)
+            for d in directs:
+                closed_loop(d)
+                open_loop(d, overload=False)
             gw_key: str | None = None
             for workers in worker_counts:
                 # one gateway at a time (the same data directory: the first start's API key serves them all),
@@ -613,24 +730,45 @@ def main() -> None:
                 if gw_key is None:  # everything on: the gateway checks this API key on every request (printed
                     # once, before the ready line, at the first start)
                     gw_key = gw.wait_line("first start:", 120).split("API key ", 1)[1].split(";")[0]
-                gw_url = gw.wait_line("llmgw gateway ready:", 120).split()[-1]
-                gw_auth = {"Authorization": f"Bearer {gw_key}"}
-                name = gateway_name(workers)
-                check_target(name, gw_url, gw_auth)
-                closed_loop(name, gw_url, gw_auth)
-                open_loop(name, gw_url, gw_auth, overload=True)
+                gw_url = gw.wait_line("llmgw gateway ready:", 120).split()[-1] + "/v1/chat/completions"
+                for d in directs:
+                    target = dataclasses.replace(
+                        d, name=gateway_name(workers), json_url=gw_url, stream_url=gw_url,
+                        json_model=MODEL if d.upstream == "aiohttp" else NGINX_JSON_POOL,
+                        stream_model=MODEL if d.upstream == "aiohttp" else NGINX_STREAM_POOL,
+                        headers={"Authorization": f"Bearer {gw_key}"},
+                        processes={**d.processes, "gateway": lambda p=gw.p.pid: with_descendants(p)})
+                    check_target(target)
+                    closed_loop(target)
+                    open_loop(target, overload=True)
                 gw.close()
                 procs.remove(gw)
             if lite_url:
-                closed_loop("litellm", lite_url, {"Authorization": f"Bearer {LITELLM_KEY}"})
+                lite_path = lite_url + "/v1/chat/completions"
+                closed_loop(Target("litellm", "aiohttp", lite_path, lite_path,
+                                   headers={"Authorization": f"Bearer {LITELLM_KEY}"}))
             bar.close()
         finally:
             for proc in reversed(procs):
                 proc.close()
 
-    report(cells, notes, tool, duration, concurrencies, worker_counts, args.litellm_workers)
+    print()
+    print(host_line())
+    for upstream in upstreams:
+        of = [c for c in cells if c.upstream == upstream]
+        if of:
+            print()
+            print(f"## Upstream: {UPSTREAMS[upstream]}")
+            report(of, notes, tool, duration, concurrencies, worker_counts, args.litellm_workers)
+    report_scaling(cells, worker_counts)
+    report_cpu(cells)
     report_rate(rate_cells, f"Open loop at {args.rate:g} req/s offered")
     report_rate(overload_cells, "Overload: open loop at 2x each gateway's best closed-loop req/s in this run")
+
+
+def nginx_version(exe: str) -> str:
+    out = subprocess.run([exe, "-v"], capture_output=True, text=True)
+    return (out.stderr or out.stdout).strip().rsplit("/", 1)[-1]
 
 
 def gateway_name(workers: int) -> str:
@@ -646,20 +784,73 @@ def default_workers() -> int:
 
 
 def report_rate(cells: list[Cell], title: str) -> None:
-    """Open-loop cells: what was served, the explicit 503s, every other failure, and the served requests'
-    latency (from each request's due time)."""
+    """Open-loop cells: what was served, the explicit 503s, every other failure, the served requests'
+    latency, and how far behind its schedule the client itself fell (bench/open_loop.py)."""
     if not cells:
         return
     print()
-    print(f"{title} (latency of the requests served 200, from each one's due time: no coordinated omission):")
+    print(f"{title} (latency of the requests served 200; from its due time when a request waited for a free "
+          "connection, so a stall is charged to every request it delayed; client lag = how late the client "
+          "wrote requests, p99 / max):")
     print()
-    print("| target | mode | offered req/s | served req/s | 503s | other failures | p50 ms | p99 ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| upstream | target | mode | offered req/s | served req/s | 503s | other failures | p50 ms | p99 ms "
+          "| client lag ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c in cells:
         other = ", ".join(f"{n} {kind}" for kind, n in sorted(c.failures.items()) if kind != "HTTP 503")
-        print(f"| {c.target} | {'stream' if c.stream else 'json'} | {c.offered_rps:,.0f} | {c.rps:,.0f} | "
-              f"{c.shed} | {c.other_failures}{f' ({other})' if other else ''} | {pct_fmt(c.p50_ms)} | "
-              f"{pct_fmt(c.p99_ms)} |")
+        print(f"| {c.upstream} | {c.target} | {'stream' if c.stream else 'json'} | {c.offered_rps:,.0f} | "
+              f"{c.rps:,.0f} | {c.shed} | {c.other_failures}{f' ({other})' if other else ''} | "
+              f"{pct_fmt(c.p50_ms)} | {pct_fmt(c.p99_ms)} | {pct_fmt(c.late_p99_ms)} / {pct_fmt(c.late_max_ms)} |")
+
+
+def report_scaling(cells: list[Cell], worker_counts: list[int]) -> None:
+    """One line per upstream and mode: direct, every gateway's best closed-loop req/s, and the last worker
+    count over the first (issue #31's >= 1.6x for 2 workers)."""
+    gateways = [gateway_name(w) for w in worker_counts]
+    upstreams = list(dict.fromkeys(c.upstream for c in cells))
+    if not cells:
+        return
+
+    def best(upstream: str, target: str, stream: bool) -> float:
+        return max((c.rps for c in cells if (c.upstream, c.target, c.stream) == (upstream, target, stream)),
+                   default=0.0)
+
+    print()
+    print("Workers (best closed-loop req/s over the concurrencies run):")
+    print()
+    ratio_head = f" {gateways[-1]} / {gateways[0]} |" if len(gateways) > 1 else ""
+    print("| upstream | mode | direct | " + " | ".join(gateways) + " |" + ratio_head)
+    print("|---|---|---|" + "---|" * len(gateways) + ("---|" if ratio_head else ""))
+    for upstream in upstreams:
+        for stream in (False, True):
+            row = [best(upstream, g, stream) for g in gateways]
+            ratio = f" {ratio_text(row[-1], row[0], gateways[0])} |" if ratio_head else ""
+            print(f"| {upstream} | {'stream' if stream else 'json'} | {best(upstream, 'direct', stream):,.0f} | "
+                  + " | ".join(f"{v:,.0f}" for v in row) + " |" + ratio)
+
+
+def report_cpu(cells: list[Cell]) -> None:
+    """Where the CPU went in each target's best closed-loop cell: µs of CPU per request, by process group
+    (utime + stime from /proc; the load generator's from RUSAGE_CHILDREN). On a host with C cores a target
+    can serve at most C x 1e6 / (the row's total) req/s."""
+    best: dict[tuple[str, str, bool], Cell] = {}
+    for c in cells:
+        key = (c.upstream, c.target, c.stream)
+        if c.cpu_us and (key not in best or c.rps > best[key].rps):
+            best[key] = c
+    if not best:
+        return
+    groups = ["gateway", "upstream", "nats-server", "load generator"]
+    print()
+    print("CPU per request, µs, in each target's best closed-loop cell (by process group):")
+    print()
+    print("| upstream | target | mode | conc | req/s | " + " | ".join(groups) + " | total |")
+    print("|---|---|---|---|---|" + "---|" * (len(groups) + 1))
+    for (upstream, target, stream), c in best.items():
+        vals = [c.cpu_us.get(g) for g in groups]
+        print(f"| {upstream} | {target} | {'stream' if stream else 'json'} | {c.concurrency} | {c.rps:,.0f} | "
+              + " | ".join("—" if v is None else f"{v:.0f}" for v in vals)
+              + f" | {sum(v for v in vals if v is not None):.0f} |")
 
 
 def host_line() -> str:

@@ -30,7 +30,20 @@ def test_a_run_that_measured_no_time_is_0_per_second() -> None:
 
 def test_the_overload_table_keeps_503s_apart_from_other_failures(capsys: pytest.CaptureFixture[str]) -> None:
     cell = Cell("gateway x2", False, 0, 900.0, 3.0, 9.0, errors=130, requests=4000, shed=120, offered_rps=2000.0,
-                failures={"HTTP 503": 120, "ServerDisconnectedError": 10})
+                failures={"HTTP 503": 120, "connection closed": 10}, upstream="nginx", late_p99_ms=0.5,
+                late_max_ms=1.25)
     bench.report_rate([cell], "Overload")
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| gateway x2"))
-    assert row == "| gateway x2 | json | 2,000 | 900 | 120 | 10 (10 ServerDisconnectedError) | 3.00 | 9.00 |"
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| nginx"))
+    assert row == ("| nginx | gateway x2 | json | 2,000 | 900 | 120 | 10 (10 connection closed) | 3.00 | 9.00 "
+                   "| 0.50 / 1.25 |")
+
+
+def test_the_workers_table_gives_each_upstream_its_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    cells = [Cell(t, s, 64, rps, 1.0, 2.0, 0, 1, upstream=u) for u, t, s, rps in (
+        ("aiohttp", "gateway x1", False, 3000.0), ("aiohttp", "gateway x2", False, 3900.0),
+        ("nginx", "direct", True, 40000.0), ("nginx", "gateway x1", True, 2500.0),
+        ("nginx", "gateway x2", True, 4000.0))]
+    bench.report_scaling(cells, [1, 2])
+    out = capsys.readouterr().out
+    assert "| aiohttp | json | 0 | 3,000 | 3,900 | 1.3x |" in out  # 3900 / 3000
+    assert "| nginx | stream | 40,000 | 2,500 | 4,000 | 1.6x |" in out  # 4000 / 2500

@@ -35,6 +35,41 @@ def test_windows_are_the_utc_minute_day_and_month_and_reset_when_they_end() -> N
     assert reset_s("usd_per_month", T0 + 31) == pytest.approx(30 * 86400 - 1)  # April has 30 days
 
 
+@pytest.mark.parametrize("at", [
+    dt.datetime(2026, 3, 31, 23, 59, 59, 999_000, tzinfo=dt.UTC),  # the last millisecond of a day and a month
+    dt.datetime(2026, 4, 1, 0, 0, 0, tzinfo=dt.UTC),  # the first instant of the next
+    dt.datetime(2026, 12, 31, 23, 59, 59, tzinfo=dt.UTC),  # a year's end
+    dt.datetime(2027, 1, 1, 0, 0, 0, tzinfo=dt.UTC),
+    dt.datetime(2028, 2, 29, 12, 0, 0, tzinfo=dt.UTC),  # a leap day
+])
+def test_day_and_month_windows_match_the_calendar_at_their_edges(at: dt.datetime) -> None:
+    now_s = at.timestamp()
+    assert window("tokens_per_day", now_s) == at.strftime("%Y-%m-%d")
+    assert window("usd_per_month", now_s) == at.strftime("%Y-%m")
+
+
+def test_a_days_window_ids_are_formatted_once_not_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request asks for the day and month ids several times (check, reserve, headers); they change
+    once a day, so the calendar is consulted once per new day, not per call (issue #31: 3 % of a worker)."""
+    from services.gateway import limits
+
+    calls = []
+    real = limits.dt.datetime
+
+    class Counting(real):  # type: ignore[misc,valid-type]
+        @classmethod
+        def fromtimestamp(cls, t, tz=None):  # type: ignore[no-untyped-def,override]
+            calls.append(t)
+            return real.fromtimestamp(t, tz)
+
+    monkeypatch.setattr(limits.dt, "datetime", Counting)
+    day = dt.datetime(2031, 5, 6, tzinfo=dt.UTC).timestamp()  # a day no other test asks for
+    for i in range(1000):
+        window("tokens_per_day", day + i * 60)
+        window("usd_per_month", day + i * 60)
+    assert len(calls) == 2  # one day id and one month id, where formatting per call made 2 x 1000
+
+
 def test_openais_reset_durations() -> None:
     assert [duration_text(s) for s in (0.02, 1.0, 59.2, 360.0, 3723.0)] == ["20ms", "1s", "1m0s", "6m0s",
                                                                                "1h2m3s"]
