@@ -624,18 +624,17 @@ class Ours(Policy):
         self.fleet.note_prompt(self.ids[i], sum(len(m["content"]) for m in r.messages), r.prompt_tokens)
 
 
-class OursNoEnergy(Ours):
-    """``ours`` with the energy tie-break off (energy_margin 0; the shipped default is on, 0.1): compare the two
-    with --busy-watts."""
+class OursEnergy(Ours):
+    """``ours`` with the energy tie-break on (energy_margin 0.1; the default is off): compare with --busy-watts."""
 
-    name = "ours_no_energy"
+    name = "ours_energy"
 
     def __init__(self, engines: list[Engine], rng: random.Random, gateway: str = GATEWAY_ID) -> None:
-        super().__init__(engines, rng, PoolPolicy(energy_margin=0.0), gateway)
+        super().__init__(engines, rng, PoolPolicy(energy_margin=0.1), gateway)
 
 
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (RandomPolicy, RoundRobin, LeastLoaded, Dynamo, GoGateway, Ours, OursNoEnergy)
+    p.name: p for p in (RandomPolicy, RoundRobin, LeastLoaded, Dynamo, GoGateway, Ours, OursEnergy)
 }
 DEFAULT_POLICIES = ("random", "round_robin", "least_loaded", "dynamo", "go_gateway", "ours")
 SESSION_HEADERS = True  # --no-session-header: chat requests carry no X-Session-Id

@@ -122,10 +122,6 @@ class MemberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return self.backend.removeprefix("bus:") if self.backend.startswith("bus:") else None
 
 
-# the energy tie-break's margin when a pool does not set one (docs/routing.md §3: measured p90-neutral, on)
-DEFAULT_ENERGY_MARGIN = 0.1
-
-
 class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # the key in model_pools, not a key of the pool's object (parse() rejects "name" there)
     name: str = ""
@@ -138,8 +134,8 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_pool_share: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     aliases: tuple[NonEmptyStr, ...] = ()
     # energy tie-break (0 = off; docs/routing.md §3): among members within this cost of the cheapest, the one with
-    # the lowest measured energy per decode step (the same default as services/gateway/routing.PoolPolicy's)
-    energy_margin: Fraction = DEFAULT_ENERGY_MARGIN
+    # the lowest measured J/output-token
+    energy_margin: Fraction = 0.0
 
 
 class Prices(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -530,7 +526,7 @@ def to_dict(config: GatewayFileConfig) -> dict[str, Any]:
                        "overflow_threshold": p.overflow_threshold, "sticky_bias": p.sticky_bias,
                        "capacity_bias": p.capacity_bias, "max_pool_share": p.max_pool_share,
                        "aliases": list(p.aliases)}
-        if p.energy_margin != DEFAULT_ENERGY_MARGIN:  # the default is not written (0, off, is)
+        if p.energy_margin:
             pools[name]["energy_margin"] = p.energy_margin
     return {
         "model_pools": pools,

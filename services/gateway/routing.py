@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proto import SlotHeartbeat
-from proto.pools import DEFAULT_ENERGY_MARGIN
 from services.common.heartbeat_load import VLLM_RUNNING_WEIGHT
 from services.gateway.affinity import AffinityHit, AffinityTable, PinTable, PrefixKey, prefix_hashes
 from services.gateway.load_score import RoutingWeights, load_score, stale_limit_s
@@ -93,8 +92,8 @@ class PoolPolicy:
     shorter ones); affinity counts only while the member's load is below ``affinity_busy_guard``. ``backlog_weight``:
     cost per waiting request beyond lanes/2, per lane (the queue the load score no longer sees).
     ``prefill_weight``: cost of prefill already queued by this gateway, at the affinity exchange rate.
-    ``energy_margin`` (0 = off; on by default): among non-busy members whose cost is within this of the cheapest,
-    the one with the lowest measured energy per decode step wins (§3, "Energy tie-break").
+    ``energy_margin`` (0 = off): among non-busy members whose cost is within this of the cheapest, the one with
+    the lowest measured joules per output token wins (§3, "Energy tie-break").
     Defaults: docs/routing.md §3 (tuned with bench/routing_sim.py, §7).
     """
 
@@ -109,12 +108,11 @@ class PoolPolicy:
     prefill_weight: float = 0.5
     api_key_sticky: float = 0.0
     max_pool_share: float = 0.0
-    # on by default (0.1): in bench/routing_sim.py's heterogeneous pool (300/300/200/200 W, seeds 1 and 2) the rule
-    # of _energy_tiebreak keeps every cell's TTFT p90 within +3 % or +5 ms and lowers J/output-token where nothing is
-    # shared (unique @ 0.5: -1.9 / -2.1 %); in the sharing cells it moves within the simulation's noise (-0.7 to
-    # +1.6 %): no latency cost measured, a saving where it can act, and real fleets differ more in J per step than
-    # 300 vs 200 W (docs/routing.md §3). 0 turns it off per pool.
-    energy_margin: float = DEFAULT_ENERGY_MARGIN
+    # off by default: in bench/routing_sim.py's heterogeneous pool (300/300/200/200 W, margin 0.1, seeds 1 and 2) the
+    # rule of _energy_tiebreak keeps every cell's TTFT p90 within +3 % or +5 ms, but lowers J/output-token only where
+    # nothing is shared (unique @ 0.5: -1.9 / -2.1 %); in the sharing cells it moves within the simulation's noise
+    # (-0.7 to +1.6 %, bursts @ 0.5 seed 1 up): no measured saving to turn on for everyone (docs/routing.md §3)
+    energy_margin: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("overflow_threshold", "sticky_bias", "capacity_bias", "affinity_busy_guard", "affinity_weight",

@@ -70,7 +70,7 @@ def policy_for(pool: PoolConfig) -> routing.PoolPolicy:
 # serves every request and every pool with those values, discovered pools included).
 @lru_cache(maxsize=256)
 def _policy(overflow_threshold: float, cache_affinity: bool, sticky_bias: float, capacity_bias: float,
-            max_pool_share: float, energy_margin: float) -> routing.PoolPolicy:
+            max_pool_share: float, energy_margin: float = 0.0) -> routing.PoolPolicy:
     return routing.PoolPolicy(overflow_threshold=overflow_threshold, cache_affinity=cache_affinity,
                               sticky_bias=sticky_bias, capacity_bias=capacity_bias, max_pool_share=max_pool_share,
                               energy_margin=energy_margin)

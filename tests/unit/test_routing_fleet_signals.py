@@ -324,20 +324,13 @@ def test_route_sharing_applies_another_replicas_notes_and_ignores_its_own() -> N
     assert router.pins.get("s-9", NOW) == "b"
 
 
-def test_the_pools_file_sets_the_energy_tie_break_per_pool_and_a_saved_off_stays_off() -> None:
+def test_the_pools_file_turns_the_energy_tie_break_on_per_pool() -> None:
     from proto import pools as pool_config
     from services.gateway.routing_adapter import policy_for
 
     members = [{"backend": "bus:w1", "model_id": "m"}]
     on = pool_config.parse({"model_pools": {"m": {"members": members, "energy_margin": 0.05}}})
-    default = pool_config.parse({"model_pools": {"m": {"members": members}}})
-    off = pool_config.parse({"model_pools": {"m": {"members": members, "energy_margin": 0}}})
+    off = pool_config.parse({"model_pools": {"m": {"members": members}}})
     assert policy_for(on.pools["m"]).energy_margin == 0.05
-    assert policy_for(default.pools["m"]).energy_margin == 0.1  # the default: on (docs/routing.md §3)
-    assert PoolPolicy().energy_margin == 0.1  # the router's own default is the pools file's
+    assert policy_for(off.pools["m"]).energy_margin == 0.0  # the default: off (docs/routing.md §3)
     assert pool_config.to_dict(on)["model_pools"]["m"]["energy_margin"] == 0.05
-    # a pool turned off is saved as off (not dropped as a default, which would turn it back on at the next load)
-    saved = pool_config.to_dict(off)
-    assert saved["model_pools"]["m"]["energy_margin"] == 0
-    assert policy_for(pool_config.parse(saved).pools["m"]).energy_margin == 0.0
-    assert "energy_margin" not in pool_config.to_dict(default)["model_pools"]["m"]
