@@ -112,7 +112,10 @@ async def test_a_thousand_mixed_requests_with_aborts_sdk_closes_and_an_engine_ki
                                                                             out.num_output_tokens), \
                         (row, out.finish_reason, events)
                 elif row["usage_source"] == "counted_by_gateway":  # cut by e2's death
-                    assert row["status"] == "error" and row["error_code"] == "upstream_lost", row
+                    # a long stream cut by the kill is an error; a dropped client's request whose abort report
+                    # e2 had not sent yet when it died (the client left first) stays aborted, counted here
+                    assert (row["status"], row["error_code"]) == ("error", "upstream_lost") or (
+                        kind == "drop" and row["status"] == "aborted"), (kind, row)
                     assert row["prompt_tokens"] > 0 and row["output_tokens"] >= events, (row, events)
                 else:  # e2 alive: its abort report, or its final usage when it had finished before the cut
                     assert row["output_tokens"] >= events, (row, events)
