@@ -244,11 +244,9 @@ def _attach_experts(model: CausalLM, config: ModelConfig, index: int, projection
             setattr(moe, f"{projection}_parts", tuple(per_expert))
     except ValueError as exc:
         log.warning("layer %d's %s experts are dequantised at load: %s", index, projection, exc)
-        for part in by_expert.values():
-            _destination(model, config, f"{part.prefix}.weight").copy_(part.dequantize().to(dtype))
+        _dequantize_into(model, config, by_expert.values(), dtype)
         return
-    dense = getattr(moe, f"{projection}_weight")
-    setattr(moe, f"{projection}_weight", torch.nn.Parameter(dense.new_empty((0, 0, 0)), requires_grad=False))
+    _free_dense(moe, f"{projection}_weight")
     model.has_quantized_forward = True
 
 
@@ -268,13 +266,24 @@ def _attach_shared_expert(model: CausalLM, config: ModelConfig, index: int, proj
     num_slots = 2 if projection == "gate_up" else 1
     if any(s not in by_slot for s in range(num_slots)):
         log.warning("layer %d's shared expert %s is dequantised at load: partly quantized", index, projection)
-        for part in by_slot.values():
-            _destination(model, config, f"{part.prefix}.weight").copy_(part.dequantize().to(dtype))
+        _dequantize_into(model, config, by_slot.values(), dtype)
         return
     setattr(moe, f"shared_{projection}_parts", tuple(by_slot[s] for s in range(num_slots)))
-    dense = getattr(moe, f"shared_{projection}_weight")
-    setattr(moe, f"shared_{projection}_weight", torch.nn.Parameter(dense.new_empty((0, 0)), requires_grad=False))
+    _free_dense(moe, f"shared_{projection}_weight")
     model.has_quantized_forward = True
+
+
+def _dequantize_into(model: CausalLM, config: ModelConfig, parts: Iterable[PackedPart], dtype: torch.dtype) -> None:
+    """Each stored part dequantised into its module's dense weight (what ``load`` does for every layer)."""
+    for part in parts:
+        _destination(model, config, f"{part.prefix}.weight").copy_(part.dequantize().to(dtype))
+
+
+def _free_dense(owner: torch.nn.Module, weight_attr: str) -> None:
+    """Replace a dense weight whose packed form the module now keeps by an empty tensor of the same dtype, device
+    and rank (the per-product paths take the dtype and device to dequantise into from it)."""
+    dense = getattr(owner, weight_attr)
+    setattr(owner, weight_attr, torch.nn.Parameter(dense.new_empty((0,) * dense.dim()), requires_grad=False))
 
 
 def _fused_key(module: str) -> tuple[int, str]:
@@ -293,9 +302,7 @@ def _attach(model: CausalLM, index: int, fused: str, state: QuantizedLinear) -> 
     weight_attr = f"{fused}_weight"
     setattr(owner, f"{fused}_quant", state)
     if state.parts is not None or state.kernel is not None:
-        dense = getattr(owner, weight_attr)
-        # an empty tensor of the same dtype and device: QuantizedLinear.weight() takes its dtype from it
-        setattr(owner, weight_attr, torch.nn.Parameter(dense.new_empty((0, 0)), requires_grad=False))
+        _free_dense(owner, weight_attr)  # QuantizedLinear.weight() takes its dtype from the empty tensor
 
 
 def load_mtp_head(path: str | Path, model: CausalLM, config: ModelConfig) -> MTPHead:

@@ -290,6 +290,12 @@ def _weight(dense: torch.Tensor, parts: tuple[PackedPart, ...] | None) -> torch.
     return dense if parts is None else dequantize_parts(parts, dense)
 
 
+def _expert_weight(dense: torch.Tensor, parts: tuple[tuple[PackedPart, ...], ...] | None,
+                   expert: int) -> torch.Tensor:
+    """Expert ``expert``'s weight: its slice of ``dense``, or its stored parts dequantised now (``dense`` empty)."""
+    return dense[expert] if parts is None else dequantize_parts(parts[expert], dense)
+
+
 def _act_fp8(x: torch.Tensor, group: int | None) -> torch.Tensor:
     """``x`` itself, or rounded through dynamic FP8 (a W8A8 product's input; ``group`` 0: per token)."""
     return x if group is None else fp8_quant_dequant(x, group)
@@ -357,12 +363,10 @@ class MoE(nn.Module):
         # those experts are dequantised, one at a time)
         for expert in torch.unique(experts).tolist():
             rows, slot = torch.where(experts == expert)
-            gate_up_weight = self.gate_up_weight[expert] if self.gate_up_parts is None \
-                else dequantize_parts(self.gate_up_parts[expert], self.gate_up_weight)
+            gate_up_weight = _expert_weight(self.gate_up_weight, self.gate_up_parts, expert)
             gate, up = F.linear(_act_fp8(x[rows], self.act_group), gate_up_weight).chunk(2, dim=-1)
-            down_weight = self.down_weight[expert] if self.down_parts is None \
-                else dequantize_parts(self.down_parts[expert], self.down_weight)
-            y = F.linear(_act_fp8(F.silu(gate) * up, self.act_group), down_weight)
+            y = F.linear(_act_fp8(F.silu(gate) * up, self.act_group),
+                         _expert_weight(self.down_weight, self.down_parts, expert))
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return self.shared(x, out)
 
