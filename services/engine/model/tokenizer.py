@@ -245,9 +245,7 @@ class Tokenizer:
                 reasoning = message.pop("reasoning_content", None)
                 if message.get("role") == "assistant" and isinstance(reasoning, str) and reasoning:
                     content = message.get("content")
-                    message["content"] = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n" + (
-                        content if isinstance(content, str) else "".join(
-                            p.get("text", "") for p in content or () if isinstance(p, dict)))
+                    message["content"] = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n" + _text(content)
         variables = {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
