@@ -57,6 +57,7 @@ import resource
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -326,6 +327,7 @@ class Cell:
     late_p99_ms: float = float("nan")  # open-loop cells: the client's own lag (bench/open_loop.py)
     late_max_ms: float = float("nan")
     cpu_us: dict[str, float] = dataclasses.field(default_factory=dict)  # CPU µs per request, by process group
+    round: int = 1  # --rounds: which pass over the worker counts measured it
 
     @property
     def other_failures(self) -> int:
@@ -467,9 +469,9 @@ def per_s(count: float, seconds: float) -> float:
     return count / seconds if seconds > 0 else 0.0
 
 
-def ratio_text(num: float, den: float, what: str) -> str:
+def ratio_text(num: float, den: float, what: str, digits: int = 1) -> str:
     """``num / den`` as "12.3x", or why not (a peer that served 0 req/s has no ratio: say so)."""
-    return f"{num / den:.1f}x" if den > 0 else f"n/a ({what} served 0 req/s)"
+    return f"{num / den:.{digits}f}x" if den > 0 else f"n/a ({what} served 0 req/s)"
 
 
 def check_target(target: Target) -> None:
@@ -569,6 +571,10 @@ def main() -> None:
     ap.add_argument("--workers", default=None,
                     help="gateway worker counts to measure, one gateway at a time (default: 1 and one per core, "
                          "as llmgw gateway --workers defaults to)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure the worker counts this many times, alternating (1, N, 1, N, ...): the workers "
+                         "table gives each round's ratio and their median, so a noisy host's drift between "
+                         "cells shows as spread instead of deciding the ratio (default 1)")
     args = ap.parse_args()
     if args.serve_null is not None:
         serve_null(args.serve_null)
@@ -592,6 +598,8 @@ def main() -> None:
         ap.error("--workers takes whole numbers, comma-separated")
     if any(w < 1 for w in worker_counts):
         ap.error("--workers values must be at least 1")
+    if not 1 <= args.rounds <= 20:
+        ap.error("--rounds must be 1..20")
     tool = ("wrk" if shutil.which("wrk") else "aiohttp") if args.load == "auto" else args.load
     if tool == "wrk" and not shutil.which("wrk"):
         ap.error("wrk not on PATH (apt-get install -y wrk)")
@@ -685,8 +693,10 @@ def main() -> None:
                 lite_url, note = start_litellm(null_url, work, procs, args.litellm_workers)
                 notes.append(note)
 
-            num_targets = len(directs) * (1 + len(worker_counts)) + (1 if lite_url else 0)
+            num_targets = len(directs) * (1 + len(worker_counts) * args.rounds) + (1 if lite_url else 0)
             bar = tqdm(total=num_targets * 2 * len(concurrencies), desc="cells", unit="cell")
+
+            current_round = 1
 
             def closed_loop(target: Target) -> None:
                 for stream in (False, True):
@@ -698,7 +708,7 @@ def main() -> None:
                         reqs, secs, errors, p50, p99 = run_load(tool, target, stream, conc, duration, work)
                         cells.append(Cell(target.name, stream, conc, per_s(reqs - errors, secs), p50 / 1000,
                                           p99 / 1000, errors, reqs, upstream=target.upstream,
-                                          cpu_us=meter.us_per_request(reqs)))
+                                          cpu_us=meter.us_per_request(reqs), round=current_round))
                         bar.update()
 
             def open_loop(target: Target, overload: bool) -> None:
@@ -707,7 +717,7 @@ def main() -> None:
                         rate_cells.append(run_rate(target, stream, args.rate, duration, args.open_loop_connections))
                     if overload:  # 2x what this target served at its best, closed loop, in this run
                         capacity = max((c.rps for c in cells if c.target == target.name and c.stream == stream
-                                        and c.upstream == target.upstream), default=0)
+                                        and c.upstream == target.upstream and c.round == current_round), default=0)
                         if capacity > 0:
                             overload_cells.append(run_rate(target, stream, 2 * capacity, duration,
                                                            args.open_loop_connections))
@@ -716,7 +726,7 @@ def main() -> None:
                 closed_loop(d)
                 open_loop(d, overload=False)
             gw_key: str | None = None
-            for workers in worker_counts:
+            for current_round, workers in ((r, w) for r in range(1, args.rounds + 1) for w in worker_counts):
                 # one gateway at a time (the same data directory: the first start's API key serves them all),
                 # so an idle one takes no CPU from the one measured
                 gw = Proc(f"gateway-x{workers}", [PY, "-m", "services.gateway", "--port", "0", "--nats", nats_url,
@@ -760,7 +770,7 @@ def main() -> None:
             print()
             print(f"## Upstream: {UPSTREAMS[upstream]}")
             report(of, notes, tool, duration, concurrencies, worker_counts, args.litellm_workers)
-    report_scaling(cells, worker_counts)
+    report_scaling(cells, worker_counts, args.rounds)
     report_cpu(cells)
     report_rate(rate_cells, f"Open loop at {args.rate:g} req/s offered")
     report_rate(overload_cells, "Overload: open loop at 2x each gateway's best closed-loop req/s in this run")
@@ -803,30 +813,44 @@ def report_rate(cells: list[Cell], title: str) -> None:
               f"{pct_fmt(c.p50_ms)} | {pct_fmt(c.p99_ms)} | {pct_fmt(c.late_p99_ms)} / {pct_fmt(c.late_max_ms)} |")
 
 
-def report_scaling(cells: list[Cell], worker_counts: list[int]) -> None:
+def report_scaling(cells: list[Cell], worker_counts: list[int], rounds: int = 1) -> None:
     """One line per upstream and mode: direct, every gateway's best closed-loop req/s, and the last worker
-    count over the first (issue #31's >= 1.6x for 2 workers)."""
-    gateways = [gateway_name(w) for w in worker_counts]
+    count over the first (issue #31's >= 1.6x for 2 workers). With several rounds, a line per round and the
+    median of the rounds' ratios: the worker counts alternate, so a host that drifts between cells moves
+    both sides of a round alike."""
+    gateways = list(dict.fromkeys(gateway_name(w) for w in worker_counts))
     upstreams = list(dict.fromkeys(c.upstream for c in cells))
     if not cells:
         return
 
-    def best(upstream: str, target: str, stream: bool) -> float:
-        return max((c.rps for c in cells if (c.upstream, c.target, c.stream) == (upstream, target, stream)),
-                   default=0.0)
+    def best(upstream: str, target: str, stream: bool, rnd: int | None = None) -> float:
+        return max((c.rps for c in cells if (c.upstream, c.target, c.stream) == (upstream, target, stream)
+                    and (rnd is None or c.round == rnd)), default=0.0)
 
     print()
     print("Workers (best closed-loop req/s over the concurrencies run):")
     print()
     ratio_head = f" {gateways[-1]} / {gateways[0]} |" if len(gateways) > 1 else ""
-    print("| upstream | mode | direct | " + " | ".join(gateways) + " |" + ratio_head)
-    print("|---|---|---|" + "---|" * len(gateways) + ("---|" if ratio_head else ""))
+    round_head = "| round " if rounds > 1 else ""
+    print(round_head + "| upstream | mode | direct | " + " | ".join(gateways) + " |" + ratio_head)
+    print(("|---" if rounds > 1 else "") + "|---|---|---|" + "---|" * len(gateways) + ("---|" if ratio_head else ""))
     for upstream in upstreams:
         for stream in (False, True):
-            row = [best(upstream, g, stream) for g in gateways]
-            ratio = f" {ratio_text(row[-1], row[0], gateways[0])} |" if ratio_head else ""
-            print(f"| {upstream} | {'stream' if stream else 'json'} | {best(upstream, 'direct', stream):,.0f} | "
-                  + " | ".join(f"{v:,.0f}" for v in row) + " |" + ratio)
+            mode = "stream" if stream else "json"
+            ratios = []
+            for rnd in range(1, rounds + 1):
+                row = [best(upstream, g, stream, rnd) for g in gateways]
+                if row[0] > 0:
+                    ratios.append(row[-1] / row[0])
+                ratio = f" {ratio_text(row[-1], row[0], gateways[0], 2)} |" if ratio_head else ""
+                print((f"| {rnd} " if rounds > 1 else "") + f"| {upstream} | {mode} | "
+                      f"{best(upstream, 'direct', stream):,.0f} | " + " | ".join(f"{v:,.0f}" for v in row) + " |"
+                      + ratio)
+            if rounds > 1 and ratio_head:
+                median = f"{statistics.median(ratios):.2f}x" if ratios else "n/a"
+                spread = f"{min(ratios):.2f}–{max(ratios):.2f}x" if ratios else "n/a"
+                print(f"| median | {upstream} | {mode} | | " + " | ".join("" for _ in gateways)
+                      + f" | **{median}** (rounds {spread}) |")
 
 
 def report_cpu(cells: list[Cell]) -> None:

@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="inference requests this process holds open before new ones get an immediate 503 "
                              "gateway_overloaded with Retry-After (default %(default)s)")
     parser.add_argument("--max-loop-lag", type=float, default=GatewayConfig.max_loop_lag_s, metavar="SECONDS",
-                        help="how late the event loop may wake before new inference requests are shed with 503 "
-                             "(default %(default)s)")
+                        help="event-loop lag (median of the last 5 probes, 10 ms apart) past which this process "
+                             "lowers its in-flight limit and sheds new inference requests with 503 (default "
+                             "%(default)s)")
     parser.add_argument("--workers", type=int, default=_workers_from_env(), metavar="N",
                         help="gateway processes on the one port, each a replica on the bus (default: $LLMGW_WORKERS, "
                              f"else one per core, at most {MAX_DEFAULT_WORKERS}; 1: a single process)")

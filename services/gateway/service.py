@@ -85,7 +85,7 @@ class GatewayConfig:
     # overload is answered at once (services/gateway/shedding.py): open inference requests in this process,
     # and how late the event loop may wake, before new requests get 503 gateway_overloaded
     max_in_flight: int = 4096
-    max_loop_lag_s: float = 0.5
+    max_loop_lag_s: float = 0.05
     # one of several worker processes on one port (``llmgw gateway --workers``, services/gateway/workers.py):
     # its label (w0 …; "" for a gateway of one process), how many there are, the group name their /metrics
     # gather runs under, and how this one listens (SO_REUSEPORT, or a listening socket its parent handed down)
@@ -250,7 +250,7 @@ class GatewayService:
     # ---- HTTP -------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware, self.shedder.middleware, self._body_limit,
+        app = web.Application(middlewares=[self.shedder.middleware, error_middleware, self._body_limit,
                                            body_deadline_middleware(self.config.body_timeout_s)],
                               client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
