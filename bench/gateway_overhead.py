@@ -848,7 +848,7 @@ def report_scaling(cells: list[Cell], worker_counts: list[int], rounds: int = 1)
                       + ratio)
             if rounds > 1 and ratio_head:
                 median = f"{statistics.median(ratios):.2f}x" if ratios else "n/a"
-                spread = f"{min(ratios):.2f}–{max(ratios):.2f}x" if ratios else "n/a"
+                spread = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "n/a"
                 print(f"| median | {upstream} | {mode} | | " + " | ".join("" for _ in gateways)
                       + f" | **{median}** (rounds {spread}) |")
 

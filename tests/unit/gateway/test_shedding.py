@@ -12,8 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from services.common.http import error_middleware
 from services.common.prom import PromText
-from services.gateway.shedding import (BUSY_SHARE, DECREASE, MIN_LIMIT, PROBE_INTERVAL_S, WINDOW_PROBES,
-                                       LoadShedder)
+from services.gateway.shedding import BUSY_SHARE, DECREASE, MIN_LIMIT, PROBE_INTERVAL_S, WINDOW_PROBES, LoadShedder
 
 
 def test_in_flight_at_the_limit_sheds_and_says_why() -> None:
