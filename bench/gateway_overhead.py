@@ -491,6 +491,21 @@ def check_target(target: Target) -> None:
 # stack
 
 
+def litellm_version() -> str:
+    """The version of the ``litellm`` on PATH: asked of the interpreter its script names (LiteLLM usually lives
+    in a venv of its own, not this one), "?" when that cannot be told."""
+    with contextlib.suppress(Exception):
+        exe = shutil.which("litellm")
+        if exe:
+            first = Path(exe).read_bytes().split(b"\n", 1)[0].decode()
+            interp = first[2:].strip() if first.startswith("#!") else PY
+            out = subprocess.run([interp, "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+                                 capture_output=True, text=True, timeout=60)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip()
+    return "?"
+
+
 def start_litellm(null_url: str, work: Path, procs: list[Proc], num_workers: int = 1) -> tuple[str | None, str]:
     """(base URL, note); base is None when LiteLLM is not installed or does not start."""
     exe = Path(PY).parent / "litellm"
@@ -528,10 +543,7 @@ def start_litellm(null_url: str, work: Path, procs: list[Proc], num_workers: int
                                     headers={"Authorization": f"Bearer {LITELLM_KEY}"}))
             except Exception as exc:
                 return None, f"LiteLLM: started but the check request failed ({exc}) — no LiteLLM figures."
-            version = "?"
-            with contextlib.suppress(Exception):
-                from importlib.metadata import version as _v
-                version = _v("litellm")
+            version = litellm_version()
             return base, (f"LiteLLM {version} proxy: {num_workers} worker(s), master key, no DB, "
                           "LITELLM_LOCAL_MODEL_COST_MAP=True.")
         time.sleep(0.5)

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="inference requests this process holds open before new ones get an immediate 503 "
                              "gateway_overloaded with Retry-After (default %(default)s)")
     parser.add_argument("--max-loop-lag", type=float, default=GatewayConfig.max_loop_lag_s, metavar="SECONDS",
-                        help="event-loop lag (median of the last 5 probes, 10 ms apart) past which this process "
+                        help="event-loop lag (median of the last 3 probes, 10 ms apart) past which this process "
                              "lowers its in-flight limit and sheds new inference requests with 503 (default "
                              "%(default)s)")
     parser.add_argument("--workers", type=int, default=_workers_from_env(), metavar="N",

@@ -42,7 +42,7 @@ from services.common.http import HTTPError, error_body
 from services.common.prom import PromText
 
 PROBE_INTERVAL_S = 0.01
-WINDOW_PROBES = 5  # the standing lag: the median of this many probes (50 ms when the loop keeps time)
+WINDOW_PROBES = 3  # the standing lag: the median of this many probes (30 ms when the loop keeps time)
 DECREASE = 0.9  # a late probe cuts the limit to this share of the requests open now
 INCREASE = 0.05  # a probe on time raises the limit by this share of itself (at least one request)
 BUSY_SHARE = 0.5  # a lag is this process's overload only while it used at least this much of a core
