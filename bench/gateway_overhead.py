@@ -32,7 +32,9 @@ mode). A short warm-up precedes each target x mode. Each cell also counts the CP
 2-core host's CPU went.
 
 The gateway is measured once per ``--workers`` count (default 1 and one per core: ``llmgw gateway
---workers``), one gateway at a time. Open-loop cells (bench/open_loop.py in its own process, requests due on
+--workers``), one gateway at a time; ``--rounds K`` repeats the worker counts K times, alternating, and the
+workers table gives each round's ratio and their median (a 2-core VM drifts by 20 % between cells).
+Open-loop cells (bench/open_loop.py in its own process, requests due on
 a fixed schedule): ``--rate`` req/s offered to each direct upstream and each gateway, and an **overload**
 cell per gateway, upstream and mode at 2x the best closed-loop req/s that gateway reached in this run. They
 report served req/s, the explicit 503s (the gateway's overload answer) apart from every other failure, the
@@ -40,6 +42,7 @@ served requests' p50/p99, and how late the client itself wrote its requests. A p
 stalled LiteLLM) gives "n/a" ratios, never a crash.
 
     .venv/bin/python bench/gateway_overhead.py [--quick] [--duration 5] [--concurrency 1,16,64] [--workers 1,2]
+                                              [--rounds 3]
                                               [--upstreams aiohttp,nginx] [--rate 1000] [--no-litellm]
                                               [--max-in-flight N] [--open-loop-connections 512]
 """
@@ -698,14 +701,11 @@ def main() -> None:
                                          "model_pools": pools_entries}))
             nats_url = f"nats://127.0.0.1:{nats_port}"
 
-            lite_url: str | None = None
+            want_litellm = (not args.no_litellm and "aiohttp" in upstreams
+                            and ((Path(PY).parent / "litellm").exists() or shutil.which("litellm") is not None))
             if args.no_litellm or "aiohttp" not in upstreams:
                 notes.append("LiteLLM: skipped (--no-litellm, or no aiohttp upstream) — no LiteLLM figures.")
-            else:
-                lite_url, note = start_litellm(null_url, work, procs, args.litellm_workers)
-                notes.append(note)
-
-            num_targets = len(directs) * (1 + len(worker_counts) * args.rounds) + (1 if lite_url else 0)
+            num_targets = len(directs) * (1 + len(worker_counts) * args.rounds) + (1 if want_litellm else 0)
             bar = tqdm(total=num_targets * 2 * len(concurrencies), desc="cells", unit="cell")
 
             current_round = 1
@@ -765,6 +765,12 @@ def main() -> None:
                     open_loop(target, overload=True)
                 gw.close()
                 procs.remove(gw)
+            lite_url: str | None = None
+            if not args.no_litellm and "aiohttp" in upstreams:
+                # started only for its own cells: nothing but the measured target runs beside a gateway cell
+                # (an idle proxy took 0.2 % of a core, 2026-12-08: this is for clean cells, not a finding)
+                lite_url, note = start_litellm(null_url, work, procs, args.litellm_workers)
+                notes.append(note)
             if lite_url:
                 lite_path = lite_url + "/v1/chat/completions"
                 closed_loop(Target("litellm", "aiohttp", lite_path, lite_path,
