@@ -585,8 +585,7 @@ def main() -> None:
                          "the gateway's own)")
     ap.add_argument("--workers", default=None,
                     help="gateway worker counts to measure, one gateway at a time (default: 1 and one per core, "
-                         "as llmgw gateway --workers defaults to); Nf: N workers left floating over the CPUs "
-                         "(llmgw gateway --no-pin-workers), e.g. 1,2f,2")
+                         "as llmgw gateway --workers defaults to)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure the worker counts this many times, alternating (1, N, 1, N, ...): the workers "
                          "table gives each round's ratio and their median, so a noisy host's drift between "
@@ -607,13 +606,12 @@ def main() -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     if any(not 1 <= c <= MAX_CONCURRENCY for c in concurrencies):
         ap.error(f"--concurrency values must be 1..{MAX_CONCURRENCY}")
-    try:  # a count, or a count with "f": that gateway's workers float over the CPUs (--no-pin-workers)
-        worker_counts = ([w.strip() for w in args.workers.split(",")] if args.workers
-                         else [str(n) for n in sorted({1, default_workers()})])
-        worker_numbers = [int(w.removesuffix("f")) for w in worker_counts]
+    try:
+        worker_counts = ([int(w) for w in args.workers.split(",")] if args.workers
+                         else sorted({1, default_workers()}))
     except ValueError:
-        ap.error("--workers takes whole numbers (N, or Nf for workers left floating), comma-separated")
-    if any(n < 1 for n in worker_numbers):
+        ap.error("--workers takes whole numbers, comma-separated")
+    if any(w < 1 for w in worker_counts):
         ap.error("--workers values must be at least 1")
     if not 1 <= args.rounds <= 20:
         ap.error("--rounds must be 1..20")
@@ -745,8 +743,7 @@ def main() -> None:
                 # so an idle one takes no CPU from the one measured
                 gw = Proc(f"gateway-x{workers}", [PY, "-m", "services.gateway", "--port", "0", "--nats", nats_url,
                                                   "--config", str(pools), "--data-dir", str(work / "gw-data"),
-                                                  "--workers", workers.removesuffix("f"),
-                                                  *(["--no-pin-workers"] if workers.endswith("f") else []),
+                                                  "--workers", str(workers),
                                                   *(["--max-in-flight", str(args.max_in_flight)]
                                                     if args.max_in_flight else []),
                                                   *(["--max-loop-lag", str(args.max_loop_lag)]
@@ -802,9 +799,8 @@ def nginx_version(exe: str) -> str:
     return (out.stderr or out.stdout).strip().rsplit("/", 1)[-1]
 
 
-def gateway_name(workers: str) -> str:
-    """"gateway x2" for ``--workers 2``; "gateway x2 floating" for ``2f`` (its workers not pinned to CPUs)."""
-    return f"gateway x{workers.removesuffix('f')}" + (" floating" if workers.endswith("f") else "")
+def gateway_name(workers: int) -> str:
+    return f"gateway x{workers}"
 
 
 def default_workers() -> int:
@@ -835,7 +831,7 @@ def report_rate(cells: list[Cell], title: str) -> None:
               f"{pct_fmt(c.p50_ms)} | {pct_fmt(c.p99_ms)} | {pct_fmt(c.late_p99_ms)} / {pct_fmt(c.late_max_ms)} |")
 
 
-def report_scaling(cells: list[Cell], worker_counts: list[str], rounds: int = 1) -> None:
+def report_scaling(cells: list[Cell], worker_counts: list[int], rounds: int = 1) -> None:
     """One line per upstream and mode: direct, every gateway's best closed-loop req/s, and the last worker
     count over the first (issue #31's >= 1.6x for 2 workers). With several rounds, a line per round and the
     median of the rounds' ratios: the worker counts alternate, so a host that drifts between cells moves
@@ -913,7 +909,7 @@ def host_line() -> str:
 
 
 def report(cells: list[Cell], notes: list[str], tool: str, duration: int, concurrencies: list[int],
-           worker_counts: list[str], litellm_workers: int = 1) -> None:
+           worker_counts: list[int], litellm_workers: int = 1) -> None:
     """``gateway xN / LiteLLM`` is a per-process ratio only where both run one process (x1, 1 worker)."""
     by = {(c.target, c.stream, c.concurrency): c for c in cells}
     load_desc = ("wrk 1 thread, closed loop (N connections)" if tool == "wrk"
@@ -938,7 +934,7 @@ def report(cells: list[Cell], notes: list[str], tool: str, duration: int, concur
     def best(target: str, stream: bool) -> float:
         return max((c.rps for c in cells if c.target == target and c.stream == stream), default=0.0)
 
-    gateways = list(dict.fromkeys(gateway_name(w) for w in worker_counts))
+    gateways = [gateway_name(w) for w in worker_counts]
     print()
     print("Saturation (each target's best req/s over the concurrencies run):")
     print()

@@ -59,9 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=_workers_from_env(), metavar="N",
                         help="gateway processes on the one port, each a replica on the bus (default: $LLMGW_WORKERS, "
                              f"else one per core, at most {MAX_DEFAULT_WORKERS}; 1: a single process)")
-    parser.add_argument("--no-pin-workers", dest="pin_workers", action="store_false",
-                        help="let the workers float over the CPUs (default: with at least as many CPUs as workers, "
-                             "worker i runs on the i-th, as nginx's worker_cpu_affinity auto)")
     # set by the parent of --workers for each worker it starts (services/gateway/workers.py)
     parser.add_argument("--worker-slot", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-group", default=None, help=argparse.SUPPRESS)

@@ -17,10 +17,6 @@ The parent:
   spool directory) across restarts of slot ``i``; the worker label ``w<i>`` tags its /metrics samples and
   its saved limit counters;
 - prints one readiness line when every worker has printed its own, and swallows theirs;
-- pins worker ``i`` to the ``i``-th CPU this process may run on (:func:`worker_cpus`), when there are at
-  least as many CPUs as workers and ``--no-pin-workers`` is not given (nginx's ``worker_cpu_affinity auto``):
-  two workers left to float on a 2-core host beside their load generator and upstream served 6 to 24 % fewer
-  requests than pinned ones in alternating runs (docs/benchmarks.md); a restarted worker keeps its CPU;
 - restarts a worker that exits, with a back-off (:func:`restart_delay_s`), and logs it; a worker that
   exits before the gateway was ever ready stops the start (a bad flag fails once, not N times a second);
 - on SIGINT/SIGTERM sends SIGTERM to every worker and waits for them (each drains as a gateway does).
@@ -34,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -61,28 +56,6 @@ def default_workers() -> int:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return max(1, min(cores, MAX_DEFAULT_WORKERS))
-
-
-def worker_cpus(num_workers: int) -> dict[int, int]:
-    """Slot → the CPU its worker is pinned to: one CPU each, in the order this process may run on them,
-    when there are at least as many CPUs as workers; ``{}`` (no pinning) for one worker, for more workers
-    than CPUs (two on one core would only take turns), or where affinity cannot be read."""
-    try:
-        allowed = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return {}
-    if num_workers < 2 or num_workers > len(allowed):
-        return {}
-    return {i: allowed[i] for i in range(num_workers)}
-
-
-def prepare_worker(cpu: int | None) -> None:
-    """A worker's ``preexec_fn`` (in the child, before exec, so every thread it starts inherits the CPU):
-    SIGTERM when the supervisor dies, and its CPU."""
-    set_parent_death_signal()
-    if cpu is not None:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, {cpu})
 
 
 def restart_delay_s(num_quick_exits: int, base_s: float = 0.5, max_s: float = 30.0) -> float:
@@ -149,7 +122,6 @@ class Supervisor:
         self.num_workers = num_workers
         self.group = args.gateway_id or default_worker_id("gw")
         self.slots = [Slot(i, f"w{i}", f"{self.group}-w{i}") for i in range(num_workers)]
-        self.cpus = worker_cpus(num_workers) if getattr(args, "pin_workers", True) else {}
         self.stopping = False
         self.url = ""
 
@@ -197,11 +169,9 @@ class Supervisor:
             *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             pass_fds=(listen_fd,) if listen_fd is not None else (),
             # their own process group: a terminal's Ctrl-C reaches only us, and we stop them (SIGTERM)
-            preexec_fn=functools.partial(prepare_worker, self.cpus.get(slot.index)), start_new_session=True)
+            preexec_fn=set_parent_death_signal, start_new_session=True)
         slot.started_s = time.monotonic()
-        cpu = self.cpus.get(slot.index)
-        log.info("gateway worker %s started (pid %d, gateway id %s%s)", slot.label, slot.proc.pid, slot.gateway_id,
-                 f", on CPU {cpu}" if cpu is not None else "")
+        log.info("gateway worker %s started (pid %d, gateway id %s)", slot.label, slot.proc.pid, slot.gateway_id)
         assert slot.proc.stdout is not None and slot.proc.stderr is not None
         slot.pumps = [asyncio.create_task(self._stdout(slot, slot.proc.stdout)),
                       asyncio.create_task(self._stderr(slot.proc.stderr))]

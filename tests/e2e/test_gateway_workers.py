@@ -118,10 +118,6 @@ async def test_two_workers_serve_one_port_and_every_scrape_holds_both(nats, tmp_
         assert proc.output.count("llmgw gateway ready: ") == 1  # one readiness line for the whole gateway
         assert f"({how if how == 'SO_REUSEPORT' else 'one listening socket handed down'})" in proc.output
         assert len(worker_pids(proc.proc.pid)) == 2
-        if len(os.sched_getaffinity(0)) >= 2:  # pinned, one CPU each (services/gateway/workers.py worker_cpus)
-            cpus = [os.sched_getaffinity(pid) for pid in worker_pids(proc.proc.pid)]
-            assert all(len(c) == 1 for c in cpus) and cpus[0] != cpus[1], cpus
-            assert ", on CPU " in proc.output
         for _ in range(20):
             assert (await asyncio.to_thread(chat, url, key)).choices[0].message.content == "x" * 16
         # both workers answer on the one port, each with its own replica id

@@ -3,7 +3,6 @@ back-off (workers.py) and each worker's own limit counters in the shared identit
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 from services.common.prom import PromText
 from services.gateway import worker_metrics
 from services.gateway.identity import IdentityStore
-from services.gateway.workers import bind_listener, restart_delay_s, worker_cpus
+from services.gateway.workers import bind_listener, restart_delay_s
 
 
 def _text(requests: int, latency_s: float) -> str:
@@ -153,16 +152,3 @@ def test_a_key_a_sibling_worker_revoked_in_the_shared_file_stops_working_here_wh
     finally:
         here.close()
         sibling.close()
-
-
-def test_workers_are_pinned_one_cpu_each_in_the_order_allowed_or_not_at_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {7, 3, 5})  # a cpuset, as a container gets
-    assert worker_cpus(2) == {0: 3, 1: 5}
-    assert worker_cpus(3) == {0: 3, 1: 5, 2: 7}
-    assert worker_cpus(1) == {}  # one process: nothing to spread
-    assert worker_cpus(4) == {}  # more workers than CPUs: two on one CPU would only take turns
-
-    def unreadable(pid: int) -> set[int]:
-        raise OSError("no affinity here")
-    monkeypatch.setattr(os, "sched_getaffinity", unreadable)
-    assert worker_cpus(2) == {}
