@@ -98,8 +98,7 @@ def _from_file(db: Path, sql: str | None, export_dir: Path, timeout_s: float) ->
         try:
             result = _wait(future)
         except KeyboardInterrupt:
-            runner.interrupt_all()  # DuckDB stops at its next check; the reader thread then ends
-            concurrent.futures.wait([future], timeout=10.0)
+            runner.close()  # interrupts the query until it has ended (DuckDB stops at its next check)
             raise
         return SqlReply(columns=result.columns, rows=result.rows)
     except (QueryRejected, QueryFailed, QueryTimedOut, QueryBusy, ResultTooLarge) as exc:

@@ -207,6 +207,8 @@ class QueryRunner:
                             f"{self.limits.timeout_s:g} s limit) and was not run; retry later",
                             retry_after_s=self.limits.timeout_s)
         with self._lock:
+            if self._is_closed:  # closed while this query waited for its thread: close() must not wait for it
+                raise QueryFailed("query interrupted (the service is stopping)")
             cursor = self._free.pop()
             run = _Run(cursor, self.limits.timeout_s)
             self._running.add(run)
@@ -252,10 +254,19 @@ class QueryRunner:
             run.interrupt(timed_out=False)
 
     def close(self) -> None:
+        """Stop: no new query starts, and running ones are interrupted until they have ended. An interrupt
+        that reaches a cursor before its query started executing is lost (DuckDB interrupts only a running
+        query), so it is repeated: Ctrl-C in ``llmgw sql`` just as its query started hung for the query's
+        whole time limit."""
         with self._lock:
             self._is_closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.interrupt_all()
+        while True:
+            self.interrupt_all()
+            with self._lock:
+                if not self._running:
+                    break
+            time.sleep(0.05)
         self._pool.shutdown(wait=True)
 
 

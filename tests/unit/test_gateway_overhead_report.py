@@ -45,5 +45,17 @@ def test_the_workers_table_gives_each_upstream_its_ratio(capsys: pytest.CaptureF
         ("nginx", "gateway x2", True, 4000.0))]
     bench.report_scaling(cells, [1, 2])
     out = capsys.readouterr().out
-    assert "| aiohttp | json | 0 | 3,000 | 3,900 | 1.3x |" in out  # 3900 / 3000
-    assert "| nginx | stream | 40,000 | 2,500 | 4,000 | 1.6x |" in out  # 4000 / 2500
+    assert "| aiohttp | json | 0 | 3,000 | 3,900 | 1.30x |" in out  # 3900 / 3000, two decimals: 1.55 is not 1.6
+    assert "| nginx | stream | 40,000 | 2,500 | 4,000 | 1.60x |" in out  # 4000 / 2500
+
+
+def test_with_rounds_each_round_has_its_ratio_and_the_median_is_given(capsys: pytest.CaptureFixture[str]) -> None:
+    cells = [Cell(t, False, 64, rps, 1.0, 2.0, 0, 1, upstream="nginx", round=r) for r, t, rps in (
+        (1, "gateway x1", 2200.0), (1, "gateway x2", 3300.0),  # 1.50
+        (2, "gateway x1", 1000.0), (2, "gateway x2", 1700.0),  # 1.70 (the host slowed: both sides alike)
+        (3, "gateway x1", 2000.0), (3, "gateway x2", 3200.0))]  # 1.60
+    bench.report_scaling(cells, [1, 2], rounds=3)
+    out = capsys.readouterr().out
+    assert "| 1 | nginx | json | 0 | 2,200 | 3,300 | 1.50x |" in out
+    assert "| 2 | nginx | json | 0 | 1,000 | 1,700 | 1.70x |" in out
+    assert "**1.60x** (rounds 1.50-1.70x)" in out  # the median of the rounds; the best of each side: 3300 / 2200

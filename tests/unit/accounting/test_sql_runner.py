@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from services.accounting.sql_runner import QueryBusy, QueryLimits, QueryRunner, QueryTimedOut, ResultTooLarge
+from services.accounting.sql_runner import (
+    QueryBusy,
+    QueryFailed,
+    QueryLimits,
+    QueryRunner,
+    QueryTimedOut,
+    ResultTooLarge,
+)
 from services.accounting.store import Ledger, LedgerThread, QueryRejected
 
 LONG = "SELECT count(*) FROM range(100000000000) a, range(10) b"  # hours of work: only an interrupt ends it
@@ -52,6 +60,27 @@ def test_each_query_is_stopped_at_its_limit_counted_from_the_start_of_its_own_ex
     assert 1.9 <= ends[1] < 3.4, ends
     assert runner.run("SELECT 42").rows == [[42]]  # the reader is free and outside any transaction
     runner.close()
+
+
+def test_close_stops_a_query_that_had_not_begun_executing_when_it_was_asked(ledger: Ledger) -> None:
+    """DuckDB interrupts only a running query: one asked to stop between its start and its execute used to run
+    its whole limit (Ctrl-C in ``llmgw sql`` just as its query started hung; a fresh-clone run caught it)."""
+    checking = threading.Event()
+
+    def slow_check(cursor: object, text: str) -> object:
+        checking.set()
+        time.sleep(0.3)  # registered as running, not executing yet: an interrupt now reaches no query
+        return ledger.check(cursor, text)  # type: ignore[arg-type]
+
+    runner = QueryRunner(ledger.query_cursors, slow_check, QueryLimits(timeout_s=60.0, num_readers=3))  # type: ignore[arg-type]
+    future = runner.submit(LONG)
+    assert checking.wait(10)
+    t0 = time.monotonic()
+    runner.close()
+    assert time.monotonic() - t0 < 10.0  # not the query's 60 s
+    assert isinstance(future.exception(timeout=1), QueryFailed)
+    with pytest.raises(QueryBusy):  # and nothing starts after
+        runner.submit("SELECT 1")
 
 
 def test_select_1_beside_two_long_queries_answers_at_once_on_another_reader(ledger: Ledger) -> None:
