@@ -13,7 +13,9 @@ Two signals:
   decrease, as TCP and Envoy's adaptive concurrency do, with the loop's lag as the congestion signal):
   each probe that finds the standing lag above ``max_loop_lag_s`` cuts the limit to :data:`DECREASE` of what
   is open now; each probe under it raises the limit by :data:`INCREASE` of itself (at least 1), up to
-  ``max_in_flight``. Requests past the limit are shed. Waiting on engines costs the loop nothing, so
+  ``max_in_flight``. Requests past the limit are shed while the standing lag is above half the bound; once
+  the loop is back under it the limit does not bind (it only grows back), so a burst that meets a loop on
+  time is taken even if an earlier overload left the limit low. Waiting on engines costs the loop nothing, so
   long LLM requests never lower it; requests that keep the CPU busy do, and then the limit settles where
   the loop keeps up. Shedding new requests alone (a fraction, or all while late) does not: the requests
   already taken are the queue, and each one taken while the loop is late lengthens it.
@@ -75,7 +77,7 @@ class LoadShedder:
         """Why a new request would be shed now, or None to take it."""
         if self.in_flight >= self.max_in_flight:
             return "in_flight"
-        if self.in_flight >= self.limit:
+        if self.in_flight >= self.limit and self.standing_lag_s > self.max_loop_lag_s / 2:
             return "loop_lag"
         return None
 

@@ -300,7 +300,8 @@ async def test_ctrl_c_interrupts_a_query_on_the_file_with_exit_code_130_and_no_t
         tmp_path: Path, ledger_file: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.cli", "sql", LONG, "--timeout", "120", "--data-dir", str(tmp_path),
-        cwd=REPO, env=client_env(tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        cwd=REPO, env={**client_env(tmp_path), "PYTHONFAULTHANDLER": "1"}, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
     try:
         async with asyncio.timeout(60):  # process start on a loaded machine: imports, then the file opens
             while not has_open(proc.pid, ledger_file.resolve()):
@@ -308,7 +309,14 @@ async def test_ctrl_c_interrupts_a_query_on_the_file_with_exit_code_130_and_no_t
         await asyncio.sleep(1.0)  # the query runs
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        _, err = await asyncio.wait_for(proc.communicate(), 20)
+        try:
+            _, err = await asyncio.wait_for(asyncio.shield(communicated := asyncio.ensure_future(proc.communicate())),
+                                            20)
+        except TimeoutError:  # where it hangs: SIGABRT makes faulthandler print every thread's stack
+            proc.send_signal(signal.SIGABRT)
+            _, err = await asyncio.wait_for(communicated, 20)
+            raise AssertionError("llmgw sql did not stop within 20 s of SIGINT:\n"
+                                 + err.decode(errors="replace")) from None
         stopped_s = time.monotonic() - sent
     finally:
         if proc.returncode is None:

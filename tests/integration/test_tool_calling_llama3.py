@@ -111,7 +111,9 @@ async def forced_calls_in_the_llama3_form(c: openai.AsyncOpenAI) -> None:
                 num_deltas += 1
                 calls[d.index][1] += (d.function.arguments or "") if d.function else ""
     assert finish == "tool_calls" and content == ""  # the call's JSON never reaches the content
-    assert num_deltas > 1 and [tuple(calls[i]) for i in sorted(calls)] == expected
+    # the arguments come after the name, in as many deltas as the engine's steps were read in: usually
+    # several, one when a loaded machine let them pile up (a fresh-clone run saw that once)
+    assert num_deltas >= 1 and [tuple(calls[i]) for i in sorted(calls)] == expected
     # a round trip: the call and its result (an ipython turn) reach the prompt
     message = whole.choices[0].message
     history: Any = [*MESSAGES, message.model_dump(exclude_none=True),

@@ -163,6 +163,10 @@ async def fleet(nats_server: EmbeddedNatsServer, model: Path, tmp_path: Path, **
         parts.engine.on_outputs(lambda outs: outputs.update({o.request_id: o for o in outs if o.finished}))
         gw_nc = await connect(nats_server.url, "gateway")
         es.push_async_callback(gw_nc.drain)
+        # the test's own clients (up to a thousand requests at once) share this event loop with the gateway:
+        # the loop's lag is theirs as much as the gateway's, so the overload shedder (services/gateway/
+        # shedding.py, whose own tests are elsewhere) gets a bound that only a stuck loop passes
+        gateway_config.setdefault("max_loop_lag_s", 5.0)
         gateway = GatewayService(gw_nc, GatewayConfig(gateway_id="gw1", port=0, data_dir=tmp_path,
                                                       **gateway_config))  # type: ignore[arg-type]
         await es.enter_async_context(gateway.running())

@@ -49,6 +49,11 @@ def test_a_standing_lag_cuts_the_limit_to_what_is_open_and_time_raises_it_back()
     before = s.limit
     s.observe_lag(0.001)
     assert s.limit > before  # on time again: the limit grows back, one probe at a time
+    s.in_flight = 200
+    assert s.limit < 200 and s.verdict() is None  # and a loop on time takes a burst past it
+    for _ in range(WINDOW_PROBES):
+        s.observe_lag(0.03)  # over half the bound (20 ms): the limit binds again
+    assert s.verdict() == "loop_lag"
     for _ in range(500):
         s.observe_lag(0.001)
     assert s.limit == 1000
