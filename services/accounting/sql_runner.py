@@ -92,6 +92,7 @@ class _Run:
         self.cursor = cursor
         self.deadline = time.monotonic() + timeout_s
         self.is_timed_out = False
+        self.was_interrupted = False
         self.is_done = False
         self._lock = threading.Lock()
 
@@ -99,6 +100,7 @@ class _Run:
         with self._lock:
             if not self.is_done:
                 self.is_timed_out = self.is_timed_out or timed_out
+                self.was_interrupted = True
                 self.cursor.interrupt()
 
     def finish(self) -> None:
@@ -227,7 +229,12 @@ class QueryRunner:
         cursor = run.cursor
         try:
             try:
-                self._check(cursor, sql)
+                try:
+                    self._check(cursor, sql)
+                except QueryRejected:
+                    if run.was_interrupted:  # the check's own statement was cut short: not the query's fault
+                        raise duckdb.InterruptException("interrupted while checking") from None
+                    raise
                 cursor.execute("BEGIN TRANSACTION READ ONLY")
                 try:
                     cursor.execute(sql)

@@ -301,7 +301,11 @@ async def test_ctrl_c_interrupts_a_query_on_the_file_with_exit_code_130_and_no_t
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.cli", "sql", LONG, "--timeout", "120", "--data-dir", str(tmp_path),
         cwd=REPO, env={**client_env(tmp_path), "PYTHONFAULTHANDLER": "1"}, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        stderr=asyncio.subprocess.PIPE,
+        # as a terminal starts it: a shell without job control (`.ci/run &`) starts its background jobs with
+        # SIGINT ignored, the child inherits that, and Python then never turns SIGINT into KeyboardInterrupt
+        # (three fresh-clone runs in the background failed here, the child's stack still in its wait loop)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         async with asyncio.timeout(60):  # process start on a loaded machine: imports, then the file opens
             while not has_open(proc.pid, ledger_file.resolve()):
