@@ -494,11 +494,17 @@ def check_target(target: Target) -> None:
 # stack
 
 
+def litellm_exe() -> str | None:
+    """The ``litellm`` command: this venv's, else the one on PATH (usually a venv of its own), else None."""
+    exe = Path(PY).parent / "litellm"
+    return str(exe) if exe.exists() else shutil.which("litellm")
+
+
 def litellm_version() -> str:
-    """The version of the ``litellm`` on PATH: asked of the interpreter its script names (LiteLLM usually lives
+    """The version of :func:`litellm_exe`: asked of the interpreter its script names (LiteLLM usually lives
     in a venv of its own, not this one), "?" when that cannot be told."""
     with contextlib.suppress(Exception):
-        exe = shutil.which("litellm")
+        exe = litellm_exe()
         if exe:
             first = Path(exe).read_bytes().split(b"\n", 1)[0].decode()
             interp = first[2:].strip() if first.startswith("#!") else PY
@@ -511,8 +517,7 @@ def litellm_version() -> str:
 
 def start_litellm(null_url: str, work: Path, procs: list[Proc], num_workers: int = 1) -> tuple[str | None, str]:
     """(base URL, note); base is None when LiteLLM is not installed or does not start."""
-    exe = Path(PY).parent / "litellm"
-    exe_s = str(exe) if exe.exists() else shutil.which("litellm")
+    exe_s = litellm_exe()
     if exe_s is None:
         return None, "LiteLLM: not installed (`litellm` command not found) — no LiteLLM figures."
     cfg = work / "litellm.yaml"
@@ -701,8 +706,7 @@ def main() -> None:
                                          "model_pools": pools_entries}))
             nats_url = f"nats://127.0.0.1:{nats_port}"
 
-            want_litellm = (not args.no_litellm and "aiohttp" in upstreams
-                            and ((Path(PY).parent / "litellm").exists() or shutil.which("litellm") is not None))
+            want_litellm = not args.no_litellm and "aiohttp" in upstreams and litellm_exe() is not None
             if args.no_litellm or "aiohttp" not in upstreams:
                 notes.append("LiteLLM: skipped (--no-litellm, or no aiohttp upstream) — no LiteLLM figures.")
             num_targets = len(directs) * (1 + len(worker_counts) * args.rounds) + (1 if want_litellm else 0)

@@ -94,12 +94,9 @@ def _from_file(db: Path, sql: str | None, export_dir: Path, timeout_s: float) ->
         limits = QueryLimits(timeout_s=timeout_s, num_readers=1, max_queued=0)
         runner = QueryRunner(ledger.query_cursors,
                              lambda cursor, text: ledger.check(cursor, text, limits.max_sql_chars), limits)
-        future = runner.submit(sql)
-        try:
-            result = _wait(future)
-        except KeyboardInterrupt:
-            runner.close()  # interrupts the query until it has ended (DuckDB stops at its next check)
-            raise
+        # Ctrl-C (KeyboardInterrupt) lands in the wait; runner.close() below then interrupts the query until
+        # it has ended (DuckDB stops at its next check)
+        result = _wait(runner.submit(sql))
         return SqlReply(columns=result.columns, rows=result.rows)
     except (QueryRejected, QueryFailed, QueryTimedOut, QueryBusy, ResultTooLarge) as exc:
         return SqlReply(error=str(exc))

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -40,7 +39,7 @@ from typing import Literal
 
 from aiohttp import web
 
-from services.common.http import HTTPError, error_body
+from services.common.http import HTTPError, error_response
 from services.common.prom import PromText
 
 PROBE_INTERVAL_S = 0.01
@@ -116,12 +115,9 @@ class LoadShedder:
         return HTTPError(503, self.message(reason), code="gateway_overloaded", retry_after_s=RETRY_AFTER_S)
 
     def refusal_response(self, reason: ShedReason) -> web.Response:
-        """The 503 itself, as cheap as aiohttp allows: the same body :func:`~services.common.http.error_response`
-        gives an :class:`HTTPError`, built without raising through the middleware chain."""
-        err = self.refusal(reason)
-        body = json.dumps(error_body(err.message, err.type, err.code, err.param)).encode()
-        return web.Response(body=body, status=503, content_type="application/json",
-                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        """The 503 itself, returned rather than raised through the middleware chain (this middleware runs
+        first, before :func:`~services.common.http.error_middleware` could catch it)."""
+        return error_response(self.refusal(reason))
 
     @web.middleware
     async def middleware(self, request: web.Request,
